@@ -1,0 +1,1 @@
+"""The `derender` command-line interface (installed as ``derender_cli``)."""

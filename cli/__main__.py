@@ -1,0 +1,5 @@
+"""``python -m derender_cli``."""
+
+from .main import main
+
+main()

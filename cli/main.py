@@ -1,0 +1,363 @@
+"""The `derender` command: a thin Typer layer over `derender_core`.
+
+It parses flags, opens inputs and outputs, shows progress and the summary on
+stderr, and maps errors to exit codes: 0 all records fine, 1 some records
+got error records, 2 usage or configuration error (nothing processed).
+vLLM is imported only once a command runs, never for ``--help``.
+"""
+
+import contextlib
+import functools
+import inspect
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from derender_core import (
+    AssembledWriter,
+    DerenderError,
+    Endpoint,
+    InputError,
+    Job,
+    JsonlWriter,
+    RenderConfig,
+    Report,
+    RequestIndex,
+    SseWriter,
+    Writer,
+    iter_records,
+    open_input,
+    open_output,
+)
+
+from .progress import ProgressDisplay, print_summary
+
+app = typer.Typer(
+    name="derender",
+    help=(
+        "Turn token-in/token-out generate output back into the OpenAI responses "
+        "`vllm serve` would return, offline, with vLLM's own derender core."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+RENDER_PANEL = "Render server flags (as `vllm launch render`)"
+
+
+class OutputFormat(str, Enum):
+    jsonl = "jsonl"
+    sse = "sse"
+    assembled = "assembled"
+
+
+class StreamMode(str, Enum):
+    replay = "replay"
+
+
+# The render server's flags, in vLLM's spelling; each command takes them all.
+_RENDER_OPTIONS: dict[str, Any] = {
+    "config": Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config",
+            help="YAML file of the flags below, as `vllm serve --config` reads it. "
+            "Flags given here override it.",
+            rich_help_panel=RENDER_PANEL,
+        ),
+    ],
+    "model": Annotated[
+        Optional[str],
+        typer.Option("--model", help="Local model directory (tokenizer, config.json, generation_config.json).", rich_help_panel=RENDER_PANEL),
+    ],
+    "tokenizer": Annotated[
+        Optional[str],
+        typer.Option("--tokenizer", help="Tokenizer directory, if not the model's.", rich_help_panel=RENDER_PANEL),
+    ],
+    "served_model_name": Annotated[
+        Optional[list[str]],
+        typer.Option("--served-model-name", help="Model name(s) requests may use; repeat for several. Default: --model.", rich_help_panel=RENDER_PANEL),
+    ],
+    "tokenizer_mode": Annotated[
+        Optional[str],
+        typer.Option("--tokenizer-mode", help="auto, hf, slow, mistral, ... as vLLM accepts.", rich_help_panel=RENDER_PANEL),
+    ],
+    "trust_remote_code": Annotated[
+        Optional[bool],
+        typer.Option("--trust-remote-code/--no-trust-remote-code", help="Trust code in the model directory.", show_default=False, rich_help_panel=RENDER_PANEL),
+    ],
+    "max_model_len": Annotated[
+        Optional[str],
+        typer.Option("--max-model-len", help="Context length bound checked before decoding (e.g. 4096, 32k).", rich_help_panel=RENDER_PANEL),
+    ],
+    "tool_call_parser": Annotated[
+        Optional[str],
+        typer.Option("--tool-call-parser", help="vLLM tool call parser, e.g. hermes.", rich_help_panel=RENDER_PANEL),
+    ],
+    "reasoning_parser": Annotated[
+        Optional[str],
+        typer.Option("--reasoning-parser", help="vLLM reasoning parser, e.g. qwen3.", rich_help_panel=RENDER_PANEL),
+    ],
+    "enable_auto_tool_choice": Annotated[
+        Optional[bool],
+        typer.Option("--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="Parse tool calls for tool_choice=auto.", show_default=False, rich_help_panel=RENDER_PANEL),
+    ],
+    "exclude_tools_when_tool_choice_none": Annotated[
+        Optional[bool],
+        typer.Option(
+            "--exclude-tools-when-tool-choice-none/--no-exclude-tools-when-tool-choice-none",
+            help="Drop tools from the request when tool_choice is none.",
+            show_default=False,
+            rich_help_panel=RENDER_PANEL,
+        ),
+    ],
+    "chat_template": Annotated[
+        Optional[str],
+        typer.Option("--chat-template", help="Chat template file or inline template.", rich_help_panel=RENDER_PANEL),
+    ],
+    "chat_template_content_format": Annotated[
+        Optional[str],
+        typer.Option("--chat-template-content-format", help="auto, string or openai.", rich_help_panel=RENDER_PANEL),
+    ],
+    "default_chat_template_kwargs": Annotated[
+        Optional[str],
+        typer.Option("--default-chat-template-kwargs", help='JSON object, e.g. \'{"enable_thinking": false}\'.', rich_help_panel=RENDER_PANEL),
+    ],
+}
+
+InputArg = Annotated[
+    str,
+    typer.Argument(help="JSONL or SSE capture to read; - for stdin. Gzip is detected.", show_default=False),
+]
+OutputOpt = Annotated[
+    str, typer.Option("--output", "-o", help="Where to write; - for stdout. A .gz path is gzipped.")
+]
+RequestsOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--requests",
+        help="JSONL of the original requests (request_id, chat_request or completion_request, "
+        "prompt_token_ids, optional prompt_tokens and model), to join bare generate output by request_id.",
+    ),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
+
+
+def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
+    """Give a command every render-server flag; they reach it as one
+    `RenderConfig`, built from ``--config`` and the flags given."""
+    own = [p for p in inspect.signature(command).parameters.values() if p.name != "config"]
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=None)
+        for name, annotation in _RENDER_OPTIONS.items()
+    ]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        config_path = kwargs.pop("config")
+        flags = {name: kwargs.pop(name) for name in _RENDER_OPTIONS if name != "config"}
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+        try:
+            config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
+            config = config.overridden_by(flags)
+            config.check_paths()
+            code = command(config=config, console=console, **kwargs)
+        except DerenderError as exc:
+            console.print(f"derender: error: {exc}", markup=False)
+            raise typer.Exit(2) from None
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, as shell tools do.
+            sys.stdout = None  # type: ignore[assignment]
+            raise typer.Exit(141) from None
+        raise typer.Exit(code)
+
+    wrapper.__signature__ = inspect.Signature([p for p in own if p.name != "console"] + extra)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {
+        **{p.name: p.annotation for p in own if p.name != "console"},
+        **_RENDER_OPTIONS,
+    }
+    return wrapper
+
+
+def _derender(
+    config: RenderConfig,
+    console: Console,
+    input_path: str,
+    output: str,
+    job_endpoint: Endpoint,
+    requests_path: Optional[Path],
+    quiet: bool,
+    stream_format: Optional[OutputFormat] = None,
+) -> int:
+    """Open everything the run needs, cheapest checks first, then run it."""
+    from derender_core import DerenderEngine, run
+
+    directory = _sse_directory(output, stream_format)
+    with open_input(input_path) as source:
+        requests = RequestIndex(str(requests_path)) if requests_path else None
+        with ProgressDisplay(console, enabled=not quiet) as progress:
+            progress.loading(config.model or "")
+            engine = DerenderEngine.build(config)
+            job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
+            with _open_writer(output, directory, stream_format, job_endpoint, engine) as writer:
+                report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
+        engine.close()
+        if requests is not None:
+            requests.close()
+    if not quiet:
+        print_summary(console, report, engine.startup_seconds)
+    return report.return_code
+
+
+def _sse_directory(output: str, stream_format: Optional[OutputFormat]) -> Optional[Path]:
+    """``-o DIR/`` (or an existing directory) asks for one file per request."""
+    if output == "-" or not (output.endswith("/") or Path(output).is_dir()):
+        return None
+    if stream_format is not OutputFormat.sse:
+        raise InputError(f"-o {output} is a directory; only --format sse writes one file per request")
+    return Path(output)
+
+
+@contextlib.contextmanager
+def _open_writer(
+    output: str,
+    directory: Optional[Path],
+    stream_format: Optional[OutputFormat],
+    endpoint: Endpoint,
+    engine: Any,
+) -> Iterator[Writer]:
+    """The writer for the output format, over the opened output."""
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        yield SseWriter(directory=directory)
+        return
+    with open_output(output) as target:
+        if stream_format is OutputFormat.sse:
+            yield SseWriter(target=target)
+        elif stream_format is OutputFormat.assembled:
+            finish = engine.chat_response if endpoint is Endpoint.CHAT else engine.completion_response
+            yield AssembledWriter(target, endpoint, finish)
+        else:
+            yield JsonlWriter(target)
+
+
+@app.command()
+@with_render_options
+def chat(
+    input_path: InputArg,
+    output: OutputOpt = "-",
+    requests: RequestsOpt = None,
+    quiet: QuietOpt = False,
+    *,
+    config: RenderConfig,
+    console: Console,
+) -> int:
+    """Derender one-shot chat completions.
+
+    Each input line is the JSON body of POST /v1/chat/completions/derender
+    (or, with --requests, a bare GenerateResponse). Output line i is the
+    ChatCompletionResponse, or the server's error, for input record i.
+    """
+    return _derender(config, console, input_path, output, Endpoint.CHAT, requests, quiet)
+
+
+@app.command()
+@with_render_options
+def completion(
+    input_path: InputArg,
+    output: OutputOpt = "-",
+    requests: RequestsOpt = None,
+    quiet: QuietOpt = False,
+    *,
+    config: RenderConfig,
+    console: Console,
+) -> int:
+    """Derender one-shot completions.
+
+    Each input line is the JSON body of POST /v1/completions/derender (or,
+    with --requests, a bare GenerateResponse). Output line i is the
+    CompletionResponse, or the server's error, for input record i.
+    """
+    return _derender(config, console, input_path, output, Endpoint.COMPLETION, requests, quiet)
+
+
+@app.command()
+@with_render_options
+def stream(
+    input_path: InputArg,
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output", "-o", help="Where to write; - for stdout; DIR/ for one .sse file per request."
+        ),
+    ] = "-",
+    output_format: Annotated[
+        OutputFormat,
+        typer.Option(
+            "--format",
+            help="jsonl: the endpoint's answer per call ({chunk, stream_state}). "
+            "sse: per request, the SSE transcript vllm serve would stream. "
+            "assembled: per request, one response built from its stream.",
+        ),
+    ] = OutputFormat.jsonl,
+    mode: Annotated[
+        StreamMode,
+        typer.Option(
+            "--mode",
+            help="replay: every call through vLLM's own per-call path, with the "
+            "stream_state threaded as a client carries it.",
+        ),
+    ] = StreamMode.replay,
+    endpoint: Annotated[
+        Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")
+    ] = Endpoint.CHAT,
+    requests: RequestsOpt = None,
+    quiet: QuietOpt = False,
+    *,
+    config: RenderConfig,
+    console: Console,
+) -> int:
+    """Derender streams, one call per generate stream chunk.
+
+    Each input line is the JSON body of a streaming derender call
+    (stream: true, generate_chunk, ...), or with --requests a bare generate
+    stream chunk or a line of a raw /inference/v1/generate SSE capture.
+    stream_state is threaded per (request_id, choice index) unless a body
+    carries its own.
+    """
+    return _derender(
+        config, console, input_path, output, endpoint, requests, quiet, stream_format=output_format
+    )
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"derender {version('derender')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=version_callback, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Turn generate output back into OpenAI responses, offline."""
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point."""
+    app(args=argv, prog_name="derender")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Progress and summary on stderr. The live display shows only on a TTY."""
+
+import time
+from types import TracebackType
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from derender_core import Report
+
+FAILURES_SHOWN = 5
+_REFRESH_SECONDS = 0.2
+
+
+class ProgressDisplay:
+    """A spinner while the model loads, then a running count of records."""
+
+    def __init__(self, console: Console, enabled: bool = True) -> None:
+        self._progress: Optional[Progress] = None
+        if enabled and console.is_terminal:
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+        self._task = None
+        self._last_refresh = 0.0
+
+    def __enter__(self) -> "ProgressDisplay":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def loading(self, model: str) -> None:
+        if self._progress is not None:
+            self._task = self._progress.add_task(f"loading {model}")
+
+    def update(self, report: Report) -> None:
+        """Called after every record; redraws a few times a second at most."""
+        if self._progress is None or self._task is None:
+            return
+        now = time.monotonic()
+        if now - self._last_refresh < _REFRESH_SECONDS:
+            return
+        self._last_refresh = now
+        self._progress.update(
+            self._task,
+            description=(
+                f"{report.records} records, {report.errors} errors, "
+                f"{report.records_per_second:,.1f} records/s"
+            ),
+        )
+
+
+def print_summary(console: Console, report: Report, startup_seconds: float) -> None:
+    """One line of figures, then the first failed records."""
+    console.print(
+        f"derender: {report.records} records, {report.errors} errors in "
+        f"{report.elapsed:.2f} s ({report.records_per_second:,.1f} records/s); "
+        f"model loaded in {startup_seconds:.1f} s",
+        markup=False,
+    )
+    for failure in report.failures[:FAILURES_SHOWN]:
+        console.print(
+            f"  record {failure.record} (line {failure.line}): {failure.status} "
+            f"{_first_line(failure.message)}",
+            markup=False,
+        )
+    hidden = report.errors - min(len(report.failures), FAILURES_SHOWN)
+    if hidden > 0:
+        console.print(f"  ... and {hidden} more errors", markup=False)
+
+
+def _first_line(message: str, limit: int = 200) -> str:
+    line = message.splitlines()[0] if message else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -1,0 +1,164 @@
+"""Settings that mirror `vllm launch render`'s flags, and their YAML file.
+
+Names, meanings and precedence follow `vllm serve`: a ``--config`` YAML file
+holds flag names as keys (``tool-call-parser: hermes``), flags given on the
+command line override it, and vLLM's defaults fill the rest. Relative paths
+are resolved against the current directory, as ``vllm serve --config`` does,
+so one YAML file drives both this tool and a real render server.
+
+Nothing here imports vLLM: values whose valid choices only vLLM knows
+(parser names, tokenizer modes) are checked when the engine is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """The render server settings that shape a derendered response."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: tuple[str, ...] = ()
+    tokenizer_mode: str | None = None
+    trust_remote_code: bool = False
+    max_model_len: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    chat_template: str | None = None
+    chat_template_content_format: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] | None = field(default=None)
+
+    @classmethod
+    def flag_names(cls) -> list[str]:
+        """The vLLM flag spelling of every setting, e.g. ``tool-call-parser``."""
+        return [f.name.replace("_", "-") for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], origin: str) -> RenderConfig:
+        """Build from flag-named keys (dashes or underscores), checking types.
+
+        `origin` names where the values came from, for error messages.
+        """
+        return cls(**_checked_settings(values, origin))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RenderConfig:
+        """Read a ``vllm serve --config`` style YAML file."""
+        import yaml
+
+        path = Path(path)
+        if path.suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"config file must be .yaml or .yml: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        if loaded is None:
+            return cls()
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of flag names to values")
+        return cls.from_mapping(loaded, origin=str(path))
+
+    def overridden_by(self, overrides: Mapping[str, Any]) -> RenderConfig:
+        """Apply command-line values; None means the flag was not given."""
+        given = {k: v for k, v in overrides.items() if v is not None and v != ()}
+        return dataclasses.replace(self, **_checked_settings(given, "command line"))
+
+    def given(self) -> dict[str, Any]:
+        """The settings that differ from the defaults."""
+        defaults = RenderConfig()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(defaults, f.name)
+        }
+
+    def check_paths(self) -> None:
+        """Fail early on local paths that do not exist: the Hub is never
+        contacted, so a model or tokenizer must be a local directory."""
+        if not self.model:
+            raise ConfigError("no model given: pass --model DIR or set `model` in --config")
+        for flag, value in (("--model", self.model), ("--tokenizer", self.tokenizer)):
+            if value is not None and not Path(value).is_dir():
+                raise ConfigError(
+                    f"{flag} {value}: no such directory. The model must be a local "
+                    "directory holding the tokenizer, config.json and "
+                    "generation_config.json (relative paths are resolved against "
+                    "the current directory)."
+                )
+
+    def to_vllm_argv(self) -> list[str]:
+        """The same settings as `vllm launch render` command-line arguments."""
+        argv: list[str] = []
+        for name, value in self.given().items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag)
+            elif isinstance(value, tuple):
+                argv += [flag, *value]
+            elif isinstance(value, Mapping):
+                argv += [flag, json.dumps(dict(value))]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+
+def _checked_settings(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(RenderConfig)}
+    settings: dict[str, Any] = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"{origin}: unknown setting {key!r}. "
+                f"Supported: {', '.join(RenderConfig.flag_names())}."
+            )
+        if value is not None:
+            settings[name] = _coerce(name, value, origin)
+    return settings
+
+
+_BOOLEAN = {"trust_remote_code", "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none"}
+
+
+def _coerce(name: str, value: Any, origin: str) -> Any:
+    flag = name.replace("_", "-")
+    if name in _BOOLEAN:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{origin}: {flag} must be true or false, got {value!r}")
+        return value
+    if name == "served_model_name":
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"{origin}: {flag} must be a name or a list of names")
+        return tuple(names)
+    if name == "default_chat_template_kwargs":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{origin}: {flag} is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{origin}: {flag} must be a JSON object, got {value!r}")
+        return dict(value)
+    if name == "max_model_len":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{origin}: {flag} must be a number such as 4096 or 32k")
+        return str(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{origin}: {flag} must be a string, got {value!r}")
+    return value

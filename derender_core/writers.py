@@ -1,0 +1,290 @@
+"""Output writers: JSONL answers, SSE transcripts, assembled responses.
+
+Every writer takes the answers in input order. `JsonlWriter` writes one line
+per answer, so output record *i* answers input record *i*. The transcript
+writers group a stream's answers by request and write a request when the
+ledger reports it complete (or at the end of the input), so only the
+streams still open are held in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
+
+import orjson
+
+from .protocol import Answer, Endpoint
+from .streams import ChunkFacts
+
+SSE_DONE = b"data: [DONE]\n\n"
+Group = TypeVar("Group")
+
+
+class Writer(Protocol):
+    """Where answers go, in input order."""
+
+    def add(self, answer: Answer, facts: ChunkFacts | None) -> None:
+        """Take the answer to the next record; `facts` describe a streamed
+        chunk's call, None for one-shot calls or records never sent."""
+
+    def complete(self, request_id: str | None) -> None:
+        """The stream of `request_id` has ended in the input."""
+
+    def close(self) -> None:
+        """The input has ended."""
+
+
+class JsonlWriter:
+    """One line per answer: the HTTP body the render server would send."""
+
+    def __init__(self, target: BinaryIO) -> None:
+        self._target = target
+
+    def add(self, answer: Answer, facts: ChunkFacts | None) -> None:
+        self._target.write(answer.raw + b"\n")
+
+    def complete(self, request_id: str | None) -> None:
+        pass
+
+    def close(self) -> None:
+        self._target.flush()
+
+
+class _GroupedWriter(ABC, Generic[Group]):
+    """Collects per-request output until the request's stream completes.
+
+    Answers that belong to no request (a line that is not JSON, a chunk
+    whose request is unknown) are counted in the run's report and left out
+    of the transcripts, which have no line for them.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str | None, Group] = {}
+
+    def add(self, answer: Answer, facts: ChunkFacts | None) -> None:
+        if facts is None:
+            return
+        if facts.request_id not in self._open:
+            self._open[facts.request_id] = self._start(facts.request_id)
+        self._take(self._open[facts.request_id], answer)
+
+    def complete(self, request_id: str | None) -> None:
+        if request_id in self._open:
+            self._emit(request_id, self._open.pop(request_id))
+
+    def close(self) -> None:
+        # Streams the input left unfinished, in the order they started.
+        for request_id in list(self._open):
+            self.complete(request_id)
+        self._finish()
+
+    @abstractmethod
+    def _start(self, request_id: str | None) -> Group:
+        """A new, empty group for a request."""
+
+    @abstractmethod
+    def _take(self, group: Group, answer: Answer) -> None:
+        """Add one answer of the request to its group."""
+
+    @abstractmethod
+    def _emit(self, request_id: str | None, group: Group) -> None:
+        """Write a finished group."""
+
+    @abstractmethod
+    def _finish(self) -> None:
+        """Flush after the last group."""
+
+
+class SseWriter(_GroupedWriter[list[bytes]]):
+    """Per request, the SSE transcript `vllm serve` would have streamed:
+    ``data: <chunk>`` events, each followed by a blank line, then
+    ``data: [DONE]``. A failed call appears as the error event the server
+    sends mid-stream.
+
+    To one stream, transcripts follow one another. To a directory, each
+    request gets ``<request_id>.sse`` (unsafe characters replaced by ``_``).
+    """
+
+    def __init__(self, target: BinaryIO | None = None, directory: Path | None = None) -> None:
+        super().__init__()
+        if (target is None) == (directory is None):
+            raise ValueError("give exactly one of target and directory")
+        self._target = target
+        self._directory = directory
+        self._file_names: dict[str | None, str] = {}
+
+    def _start(self, request_id: str | None) -> list[bytes]:
+        return []
+
+    def _take(self, group: list[bytes], answer: Answer) -> None:
+        data = answer.sse_data if answer.ok and answer.sse_data is not None else answer.raw
+        group.append(b"data: " + data + b"\n\n")
+
+    def _emit(self, request_id: str | None, group: list[bytes]) -> None:
+        transcript = b"".join(group) + SSE_DONE
+        if self._target is not None:
+            self._target.write(transcript)
+            return
+        assert self._directory is not None
+        # A request that shows up again after it completed appends a second
+        # transcript to its file rather than replacing the first.
+        path = self._directory / self._file_name(request_id)
+        with open(path, "ab") as sse_file:
+            sse_file.write(transcript)
+
+    def _file_name(self, request_id: str | None) -> str:
+        if request_id not in self._file_names:
+            stem = re.sub(r"[^A-Za-z0-9._-]", "_", request_id or "") or "no-request-id"
+            taken = set(self._file_names.values())
+            name, suffix = f"{stem}.sse", 2
+            while name in taken:
+                name, suffix = f"{stem}-{suffix}.sse", suffix + 1
+            self._file_names[request_id] = name
+        return self._file_names[request_id]
+
+    def _finish(self) -> None:
+        if self._target is not None:
+            self._target.flush()
+
+
+@dataclass
+class _ChoiceParts:
+    role: str | None = None
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Mapping[str, Any]] = field(default_factory=list)
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Assembly:
+    first_chunk: Mapping[str, Any] | None = None
+    choices: dict[int, _ChoiceParts] = field(default_factory=dict)
+    usage: Mapping[str, Any] | None = None
+    error: bytes | None = None
+
+
+class AssembledWriter(_GroupedWriter[_Assembly]):
+    """Per request, one response assembled from its stream, comparable with
+    a one-shot answer: content, reasoning and text concatenated per choice
+    index, tool calls merged by index (id, name, arguments), logprobs and
+    token ids joined, and the last finish reason, stop reason and usage
+    kept. A stream with a failed call is written as that call's error.
+
+    `finish` turns the assembled fields into the full response (vLLM's own
+    response model fills the remaining fields).
+    """
+
+    def __init__(
+        self,
+        target: BinaryIO,
+        endpoint: Endpoint,
+        finish: Callable[[Mapping[str, Any]], dict[str, Any]],
+    ) -> None:
+        super().__init__()
+        self._target = target
+        self._endpoint = endpoint
+        self._finish_response = finish
+
+    def _start(self, request_id: str | None) -> _Assembly:
+        return _Assembly()
+
+    def _take(self, group: _Assembly, answer: Answer) -> None:
+        if not answer.ok:
+            group.error = group.error or answer.raw
+            return
+        chunk = answer.body["chunk"]
+        group.first_chunk = group.first_chunk or chunk
+        if chunk.get("usage") is not None:
+            group.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            parts = group.choices.setdefault(choice["index"], _ChoiceParts())
+            _merge_choice(parts, choice)
+
+    def _emit(self, request_id: str | None, group: _Assembly) -> None:
+        if group.error is not None:
+            self._target.write(group.error + b"\n")
+            return
+        first = group.first_chunk or {}
+        fields = {
+            "id": first.get("id", request_id),
+            "created": first.get("created"),
+            "model": first.get("model", ""),
+            "usage": group.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            "choices": [
+                self._choice(index, parts) for index, parts in sorted(group.choices.items())
+            ],
+        }
+        response = self._finish_response({k: v for k, v in fields.items() if v is not None})
+        self._target.write(orjson.dumps(response, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+
+    def _choice(self, index: int, parts: _ChoiceParts) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": parts.finish_reason,
+            "stop_reason": parts.stop_reason,
+            "token_ids": parts.token_ids,
+        }
+        if self._endpoint is Endpoint.CHAT:
+            choice["message"] = {
+                "role": parts.role or "assistant",
+                "content": "".join(parts.content) if parts.content else None,
+                "reasoning": "".join(parts.reasoning) if parts.reasoning else None,
+                "tool_calls": [call for _, call in sorted(parts.tool_calls.items())],
+            }
+            choice["logprobs"] = (
+                {"content": [entry for piece in parts.logprobs for entry in piece["content"] or []]}
+                if parts.logprobs
+                else None
+            )
+        else:
+            choice["text"] = "".join(parts.text)
+            choice["logprobs"] = _joined_completion_logprobs(parts.logprobs)
+        return choice
+
+    def _finish(self) -> None:
+        self._target.flush()
+
+
+def _merge_choice(parts: _ChoiceParts, choice: Mapping[str, Any]) -> None:
+    delta = choice.get("delta") or {}
+    parts.role = parts.role or delta.get("role")
+    if delta.get("content"):
+        parts.content.append(delta["content"])
+    if delta.get("reasoning"):
+        parts.reasoning.append(delta["reasoning"])
+    for call in delta.get("tool_calls") or []:
+        merged = parts.tool_calls.setdefault(
+            call["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        merged["id"] = merged["id"] or call.get("id")
+        function = call.get("function") or {}
+        merged["function"]["name"] += function.get("name") or ""
+        merged["function"]["arguments"] += function.get("arguments") or ""
+    if choice.get("text"):
+        parts.text.append(choice["text"])
+    if choice.get("logprobs") is not None:
+        parts.logprobs.append(choice["logprobs"])
+    if choice.get("token_ids") is not None:
+        parts.token_ids = (parts.token_ids or []) + list(choice["token_ids"])
+    if choice.get("finish_reason") is not None:
+        parts.finish_reason = choice["finish_reason"]
+        parts.stop_reason = choice.get("stop_reason")
+
+
+def _joined_completion_logprobs(pieces: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Completion logprobs are parallel lists; a stream's pieces already
+    carry absolute text offsets, so joining is concatenation."""
+    if not pieces:
+        return None
+    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+    return {key: [value for piece in pieces for value in piece.get(key) or []] for key in keys}

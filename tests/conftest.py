@@ -1,0 +1,82 @@
+"""Shared fixtures: model directories, engines and real render servers.
+
+Every fixture here is real: tokenizers built from package-shipped
+vocabularies, vLLM's own derender stack, and `vllm launch render` processes.
+They are session-scoped because each costs seconds to build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from derender_core import DerenderEngine, RenderConfig
+from tests.helpers import SAMPLE, RenderServer
+from tests.model_factory import build_deepseek_v4
+from tests.sample_inputs import Family, SampleBuilder, deepseek_v4_family, qwen3_family
+
+
+@dataclass
+class Stack:
+    """One model family: its settings, its engine and a real server."""
+
+    name: str
+    config: RenderConfig
+    builder: SampleBuilder
+    engine: DerenderEngine
+    server: RenderServer
+
+
+def sample_config() -> RenderConfig:
+    """The bundled sample's config, with the model path made absolute so
+    tests do not depend on the current directory."""
+    config = RenderConfig.from_yaml(SAMPLE / "qwen3.yaml")
+    return dataclasses.replace(config, model=str(SAMPLE.parent / config.model))
+
+
+def _deepseek_config(model_dir: Path) -> RenderConfig:
+    return RenderConfig(
+        model=str(model_dir),
+        served_model_name=("deepseek-v4-test",),
+        tool_call_parser="deepseek_v4",
+        reasoning_parser="deepseek_v4",
+        enable_auto_tool_choice=True,
+    )
+
+
+def _start(name: str, config: RenderConfig, family: Family, logs: Path) -> Iterator[Stack]:
+    server = RenderServer(config, logs / f"{name}-server.log")
+    engine = DerenderEngine.build(config)
+    try:
+        yield Stack(name, config, SampleBuilder(family), engine, server)
+    finally:
+        engine.close()
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deepseek_v4(tmp_path_factory.mktemp("models") / "deepseek_v4")
+
+
+@pytest.fixture(scope="session")
+def qwen3_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    config = sample_config()
+    family = qwen3_family(Path(config.model or ""))
+    yield from _start("qwen3", config, family, tmp_path_factory.mktemp("logs"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_v4_stack(deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    config = _deepseek_config(deepseek_dir)
+    yield from _start("deepseek_v4", config, deepseek_v4_family(deepseek_dir), tmp_path_factory.mktemp("logs"))
+
+
+@pytest.fixture(scope="session", params=["qwen3", "deepseek_v4"])
+def stack(request: pytest.FixtureRequest) -> Stack:
+    """Each model family in turn."""
+    return request.getfixturevalue(f"{request.param}_stack")

@@ -1,0 +1,152 @@
+"""Test helpers: the real render server as an oracle, and normalisation.
+
+`RenderServer` runs `vllm launch render` on 127.0.0.1 with the flags a
+`RenderConfig` gives, so the server and the CLI see the same settings.
+`normalize` removes only what differs between any two runs: `created`
+timestamps and the random ``chatcmpl-tool-…`` ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from derender_core import Endpoint, RenderConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample_data"
+
+_TOOL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+
+
+def normalize(value: Any) -> Any:
+    """Blank `created` and the random tool-call ids, everywhere."""
+    if isinstance(value, dict):
+        return {k: (0 if k == "created" else normalize(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalize(v) for v in value]
+    if isinstance(value, str):
+        return _TOOL_ID.sub("chatcmpl-tool-<id>", value)
+    return value
+
+
+def read_jsonl(path: Path) -> list[Any]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    return env
+
+
+class RenderServer:
+    """A real `vllm launch render` process, started and stopped by tests."""
+
+    def __init__(self, config: RenderConfig, log_path: Path) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render",
+            *config.to_vllm_argv(),
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=offline_env()
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"render server exited:\n{self.log_tail()}")
+            try:
+                if self.client.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"render server not ready in {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def post(self, endpoint: Endpoint, body: Any) -> httpx.Response:
+        return self.client.post(endpoint.path, json=body)
+
+    def post_raw(self, endpoint: Endpoint, raw: bytes) -> httpx.Response:
+        return self.client.post(
+            endpoint.path, content=raw, headers={"content-type": "application/json"}
+        )
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def server_stream_answers(
+    server: RenderServer, endpoint: Endpoint, bodies: Iterable[dict[str, Any]]
+) -> list[tuple[int, Any]]:
+    """Thread stream_state through the real server as a client does: one
+    state per (request_id, choice index), the first call without one, each
+    next call with the state of the previous successful answer for that
+    index; a chunk without a choice takes the state of its request's last
+    answered index. Written independently of `derender_core.streams`."""
+    states: dict[tuple[str, int], Any] = {}
+    last_index: dict[str, int] = {}
+    answers = []
+    for body in bodies:
+        chunk = body["generate_chunk"]
+        request_id = chunk["request_id"]
+        index = chunk["choices"][0]["index"] if chunk["choices"] else last_index.get(request_id)
+        sent = dict(body)
+        if "stream_state" not in body and (request_id, index) in states:
+            sent["stream_state"] = states[(request_id, index)]
+        response = server.post(endpoint, sent)
+        answers.append((response.status_code, response.json()))
+        if chunk["choices"]:
+            last_index[request_id] = index
+            if response.status_code == 200:
+                states[(request_id, index)] = response.json()["stream_state"]
+    return answers
+
+
+def run_cli(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:
+    """Run the installed `derender` command as a user would."""
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("derender")), *args],
+        input=stdin,
+        capture_output=True,
+        cwd=cwd,
+        env=offline_env(),
+        timeout=600,
+    )

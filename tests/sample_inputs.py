@@ -1,0 +1,495 @@
+"""Derender inputs made from real token ids, for the sample and the tests.
+
+Every record here is what a split render/generate deployment would produce:
+the prompt ids come from applying the model's chat template, the output ids
+from encoding a model answer with the same tokenizer, and the bodies are
+what a client would POST to `vllm launch render`'s derender endpoints.
+
+``python -m tests.sample_inputs sample_data`` rewrites the bundled sample
+inputs from the bundled Qwen3 model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the inputs need to know about a model family."""
+
+    model_dir: Path
+    served_name: str
+    eos_id: int
+    reasoning: tuple[str, str] | None
+    """How the model writes reasoning: (before, after) the thought text."""
+    tool_call: str
+    """The model's tool call markup, with {name} and {arguments}."""
+    thinking_off: dict[str, Any]
+    """chat_template_kwargs that turn thinking off."""
+
+
+def qwen3_family(model_dir: Path, served_name: str = "qwen3-sample") -> Family:
+    return Family(
+        model_dir=model_dir,
+        served_name=served_name,
+        eos_id=151645,
+        reasoning=("<think>\n", "\n</think>\n\n"),
+        tool_call='<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>',
+        thinking_off={"enable_thinking": False},
+    )
+
+
+def deepseek_v4_family(model_dir: Path, served_name: str = "deepseek-v4-test") -> Family:
+    return Family(
+        model_dir=model_dir,
+        served_name=served_name,
+        eos_id=1,
+        reasoning=("", "</think>"),
+        tool_call=(
+            "<｜DSML｜tool_calls>\n"
+            '<｜DSML｜invoke name="{name}">\n'
+            '<｜DSML｜parameter name="city" string="true">{city}</｜DSML｜parameter>\n'
+            "</｜DSML｜invoke>\n"
+            "</｜DSML｜tool_calls>"
+        ),
+        thinking_off={"thinking": False},
+    )
+
+
+class SampleBuilder:
+    """Makes bodies for one model family with its real tokenizer."""
+
+    def __init__(self, family: Family) -> None:
+        from transformers import AutoTokenizer
+
+        self.family = family
+        self.tokenizer = AutoTokenizer.from_pretrained(str(family.model_dir))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        return self.encode(rendered)
+
+    def answer(
+        self,
+        content: str,
+        reasoning: str | None = None,
+        tool: tuple[str, dict[str, Any]] | None = None,
+    ) -> str:
+        """The raw text a model of this family writes for such an answer."""
+        text = ""
+        if reasoning is not None and self.family.reasoning is not None:
+            before, after = self.family.reasoning
+            text += before + reasoning + after
+        text += content
+        if tool is not None:
+            name, arguments = tool
+            text += self.family.tool_call.format(
+                name=name, arguments=json.dumps(arguments), city=arguments.get("city", "")
+            )
+        return text
+
+    def chat_request(self, messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return {"model": self.family.served_name, "messages": messages, **fields}
+
+
+def _choice(index: int, token_ids: list[int], **fields: Any) -> dict[str, Any]:
+    return {"index": index, "token_ids": token_ids, "finish_reason": "stop", **fields}
+
+
+def logprobs_for(token_ids: Sequence[int], top: int = 2) -> dict[str, Any]:
+    """Generate-style logprobs: integer token ids, the sampled one first,
+    then alternatives; derender resolves them to token strings and bytes."""
+    content = []
+    for position, token_id in enumerate(token_ids):
+        alternatives = [
+            {"token_id": (token_id + step) % 150000, "logprob": -1.5 * step - 0.25, "rank": step + 1}
+            for step in range(1, top)
+        ]
+        sampled = {"token_id": token_id, "logprob": -0.125 * (position % 4), "rank": 1}
+        content.append({**sampled, "top_logprobs": [sampled, *alternatives]})
+    return {"content": content}
+
+
+def split_unicode_text() -> str:
+    """Characters that byte-level BPE vocabularies spell in several tokens."""
+    return "Weather symbols: 🌦️ 🌪 ☂ — in Kyiv it is 𝟏𝟐°C; 北京多云。"
+
+
+# --- one-shot chat --------------------------------------------------------
+
+
+def chat_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
+    eos = [b.family.eos_id]
+    name = b.family.served_name
+
+    # 1. Reasoning, content and a tool call, ended by EOS.
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    text = b.answer(
+        "Let me check the weather for you.\n",
+        reasoning="The user wants the weather in Paris, so I call get_weather.",
+        tool=("get_weather", {"city": "Paris", "unit": "celsius"}),
+    )
+    output = b.encode(text) + eos
+    yield {
+        "model": name,
+        "generate_response": {
+            "request_id": "chat-tool-call",
+            "choices": [_choice(0, output, finish_reason="stop")],
+        },
+        "prompt_tokens": len(prompt := b.prompt_ids(messages, [WEATHER_TOOL])),
+        "prompt_token_ids": prompt,
+        "chat_request": b.chat_request(messages, tools=[WEATHER_TOOL], tool_choice="auto"),
+    }
+
+    # 2. n=2 with logprobs and top_logprobs.
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = b.prompt_ids(messages)
+    answers = [
+        b.encode(b.answer("Blue.", reasoning="One word is enough.")) + eos,
+        b.encode(b.answer("Green, like grass.", reasoning="Pick something vivid.")) + eos,
+    ]
+    yield {
+        "model": name,
+        "generate_response": {
+            "request_id": "chat-n2-logprobs",
+            "choices": [
+                _choice(i, ids, logprobs=logprobs_for(ids, top=3)) for i, ids in enumerate(answers)
+            ],
+        },
+        "prompt_tokens": len(prompt),
+        "prompt_token_ids": prompt,
+        "chat_request": b.chat_request(messages, n=2, logprobs=True, top_logprobs=2),
+    }
+
+    # 3. Thinking off, unicode split across tokens, cut by max_tokens.
+    messages = [{"role": "user", "content": "Describe the weather with symbols."}]
+    prompt = b.prompt_ids(messages, **b.family.thinking_off)
+    output = b.encode(split_unicode_text())
+    yield {
+        "model": name,
+        "generate_response": {
+            "request_id": "chat-unicode",
+            "choices": [_choice(0, output, finish_reason="length")],
+        },
+        "prompt_tokens": len(prompt),
+        "prompt_token_ids": prompt,
+        "chat_request": b.chat_request(
+            messages, max_tokens=len(output), chat_template_kwargs=b.family.thinking_off
+        ),
+    }
+
+    # 4. A stop string: generation stopped at "END", which is cut away.
+    messages = [{"role": "user", "content": "Count to three, then say END."}]
+    prompt = b.prompt_ids(messages, **b.family.thinking_off)
+    output = b.encode("One, two, three. END")
+    yield {
+        "model": name,
+        "generate_response": {
+            "request_id": "chat-stop-string",
+            "choices": [_choice(0, output, finish_reason="stop", stop_reason="END")],
+        },
+        "prompt_tokens": len(prompt),
+        "prompt_token_ids": prompt,
+        "chat_request": b.chat_request(
+            messages, stop=["END"], chat_template_kwargs=b.family.thinking_off
+        ),
+    }
+
+
+def chat_error_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
+    """Bodies the render server answers with an error."""
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = b.prompt_ids(messages)
+    good = {"request_id": "err", "choices": [_choice(0, b.encode("Hello!") + [b.family.eos_id])]}
+    request = b.chat_request(messages)
+    yield {"model": "no-such-model", "generate_response": good, "chat_request": request}
+    yield {"generate_response": good, "prompt_token_ids": prompt}  # no chat_request
+    yield {"generate_response": {"request_id": "err", "choices": [_choice(0, [-1])]}}
+    yield {"generate_response": {"request_id": "err", "choices": [_choice(0, [])]}, "chat_request": request}
+    # More top_logprobs than the server's max_logprobs (20) allows.
+    ids = good["choices"][0]["token_ids"]
+    yield {
+        "generate_response": {
+            "request_id": "err",
+            "choices": [_choice(0, ids, logprobs=logprobs_for(ids, top=21))],
+        },
+        "chat_request": request,
+    }
+
+
+# --- one-shot completion ---------------------------------------------------
+
+
+def completion_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
+    name = b.family.served_name
+    prompt = b.encode("The capital of France is")
+    output = b.encode(" Paris. It is known for the Eiffel Tower.")
+    yield {
+        "model": name,
+        "generate_responses": [
+            {
+                "request_id": "cmpl-logprobs",
+                "choices": [
+                    _choice(0, output, finish_reason="length", logprobs=logprobs_for(output, top=3))
+                ],
+            }
+        ],
+        "prompt_tokens": [len(prompt)],
+        "prompt_token_ids": [prompt],
+        "completion_request": {"model": name, "prompt": "The capital of France is", "logprobs": 2},
+    }
+
+    # Two prompts, n=2 each: one GenerateResponse per prompt.
+    prompts = ["Roses are", "2 + 2 ="]
+    outputs = [[" red", " blue"], [" 4", " four"]]
+    yield {
+        "model": name,
+        "generate_responses": [
+            {
+                "request_id": f"cmpl-multi-{p}",
+                "choices": [
+                    _choice(i, b.encode(text), finish_reason="length")
+                    for i, text in enumerate(outputs[p])
+                ],
+            }
+            for p in range(len(prompts))
+        ],
+        "prompt_tokens": [len(b.encode(p)) for p in prompts],
+        "prompt_token_ids": [b.encode(p) for p in prompts],
+        "completion_request": {"model": name, "prompt": prompts, "n": 2, "max_tokens": 2},
+    }
+
+    prompt = b.encode("Symbols:")
+    output = b.encode(" " + split_unicode_text())
+    yield {
+        "model": name,
+        "generate_responses": [
+            {"request_id": "cmpl-unicode", "choices": [_choice(0, output, finish_reason="length")]}
+        ],
+        "prompt_tokens": [len(prompt)],
+        "prompt_token_ids": [prompt],
+        "completion_request": {"model": name, "prompt": "Symbols:"},
+    }
+
+    prompt = b.encode("List: a, b,")
+    output = b.encode(" c, d, STOP e")
+    yield {
+        "model": name,
+        "generate_responses": [
+            {
+                "request_id": "cmpl-stop",
+                "choices": [_choice(0, output, finish_reason="stop", stop_reason="STOP")],
+            }
+        ],
+        "prompt_tokens": [len(prompt)],
+        "prompt_token_ids": [prompt],
+        "completion_request": {"model": name, "prompt": "List: a, b,", "stop": ["STOP"]},
+    }
+
+
+# --- streams ---------------------------------------------------------------
+
+
+def chunks_of(token_ids: list[int], sizes: Sequence[int]) -> list[list[int]]:
+    """Cut ids into consecutive chunks, cycling through `sizes`."""
+    chunks, position, turn = [], 0, 0
+    while position < len(token_ids):
+        size = sizes[turn % len(sizes)]
+        chunks.append(token_ids[position : position + size])
+        position += size
+        turn += 1
+    return chunks
+
+
+@dataclass
+class StreamPlan:
+    """One request's generate stream, before it is interleaved."""
+
+    request_id: str
+    prompt: list[int]
+    chat_request: dict[str, Any]
+    choices: list[list[list[int]]]
+    """Per choice index, the token ids of each chunk."""
+    finish_only_tail: bool = False
+    usage: bool = True
+    logprobs: bool = False
+    finish_reason: str = "stop"
+
+
+def generate_chunks(plan: StreamPlan) -> list[dict[str, Any]]:
+    """The chunks /inference/v1/generate streams for the plan, choices
+    interleaved round-robin as the engine emits them, then usage."""
+    per_choice: list[list[dict[str, Any]]] = []
+    for index, chunks in enumerate(plan.choices):
+        events = []
+        for position, ids in enumerate(chunks):
+            last = position == len(chunks) - 1 and not plan.finish_only_tail
+            choice: dict[str, Any] = {
+                "index": index,
+                "token_ids": ids,
+                "finish_reason": plan.finish_reason if last else None,
+            }
+            if plan.logprobs:
+                choice["logprobs"] = logprobs_for(ids)
+            events.append({"request_id": plan.request_id, "choices": [choice]})
+        if plan.finish_only_tail:
+            events.append(
+                {
+                    "request_id": plan.request_id,
+                    "choices": [{"index": index, "token_ids": [], "finish_reason": plan.finish_reason}],
+                }
+            )
+        per_choice.append(events)
+    out = []
+    for turn in range(max(len(events) for events in per_choice)):
+        out.extend(events[turn] for events in per_choice if turn < len(events))
+    if plan.usage:
+        completion = sum(len(ids) for chunks in plan.choices for ids in chunks)
+        out.append(
+            {
+                "request_id": plan.request_id,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(plan.prompt),
+                    "completion_tokens": completion,
+                    "total_tokens": len(plan.prompt) + completion,
+                },
+            }
+        )
+    return out
+
+
+def stream_plans(b: SampleBuilder) -> list[StreamPlan]:
+    eos = [b.family.eos_id]
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    tool_text = b.answer(
+        "Checking now.\n",
+        reasoning="I should call get_weather for Paris.",
+        tool=("get_weather", {"city": "Paris"}),
+    )
+    tool_call = StreamPlan(
+        request_id="stream-tool-call",
+        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
+        chat_request=b.chat_request(messages, tools=[WEATHER_TOOL], tool_choice="auto", **usage),
+        choices=[chunks_of(b.encode(tool_text) + eos, [1])],
+    )
+
+    messages = [{"role": "user", "content": "Name two colours."}]
+    n2 = StreamPlan(
+        request_id="stream-n2",
+        prompt=b.prompt_ids(messages),
+        chat_request=b.chat_request(messages, n=2, logprobs=True, top_logprobs=1, **usage),
+        choices=[
+            chunks_of(b.encode(b.answer("Red.", reasoning="Short answer.")) + eos, [1]),
+            chunks_of(b.encode(b.answer("Blue and green.", reasoning="Two of them.")) + eos, [2, 1]),
+        ],
+        logprobs=True,
+    )
+
+    messages = [{"role": "user", "content": "Describe the weather with symbols."}]
+    speculative = StreamPlan(
+        request_id="stream-speculative-unicode",
+        prompt=b.prompt_ids(messages, **b.family.thinking_off),
+        chat_request=b.chat_request(
+            messages, chat_template_kwargs=b.family.thinking_off, **usage
+        ),
+        choices=[chunks_of(b.encode(split_unicode_text()) + eos, [3, 1, 4, 2])],
+        finish_only_tail=True,
+    )
+    return [tool_call, n2, speculative]
+
+
+def interleave(streams: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Round-robin the chunks of several requests, as a shared capture has them."""
+    out = []
+    for turn in range(max(len(s) for s in streams)):
+        out.extend(s[turn] for s in streams if turn < len(s))
+    return out
+
+
+def stream_body(plan: StreamPlan, chunk: dict[str, Any], model: str) -> dict[str, Any]:
+    return {
+        "stream": True,
+        "model": model,
+        "generate_chunk": chunk,
+        "prompt_tokens": len(plan.prompt),
+        "prompt_token_ids": plan.prompt,
+        "chat_request": plan.chat_request,
+    }
+
+
+def stream_bodies(b: SampleBuilder, plans: list[StreamPlan] | None = None) -> list[dict[str, Any]]:
+    plans = plans if plans is not None else stream_plans(b)
+    by_id = {plan.request_id: plan for plan in plans}
+    chunks = interleave([generate_chunks(plan) for plan in plans])
+    return [stream_body(by_id[c["request_id"]], c, b.family.served_name) for c in chunks]
+
+
+def requests_lines(plans: list[StreamPlan]) -> list[dict[str, Any]]:
+    return [
+        {"request_id": p.request_id, "chat_request": p.chat_request, "prompt_token_ids": p.prompt}
+        for p in plans
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]] | Iterator[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_sample(directory: Path) -> None:
+    """The bundled sample: inputs for every command against sample_data/qwen3."""
+    b = SampleBuilder(qwen3_family(directory / "qwen3"))
+    write_jsonl(directory / "chat.jsonl", chat_bodies(b))
+    write_jsonl(directory / "chat_errors.jsonl", chat_error_bodies(b))
+    write_jsonl(directory / "completion.jsonl", completion_bodies(b))
+    plans = stream_plans(b)
+    write_jsonl(directory / "stream.jsonl", stream_bodies(b, plans))
+    write_jsonl(directory / "requests.jsonl", requests_lines(plans))
+    capture = interleave([generate_chunks(plan) for plan in plans])
+    (directory / "generate_capture.sse").write_text(
+        "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in capture)
+        + "data: [DONE]\n\n",
+        encoding="utf-8",
+    )
+
+
+if __name__ == "__main__":
+    write_sample(Path(sys.argv[1] if len(sys.argv) > 1 else "sample_data"))
