@@ -16,7 +16,6 @@ file only.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -309,8 +308,7 @@ class DerenderEngine:
             if isinstance(result, ErrorResponse):
                 return _json_answer(result.model_dump(), result.error.code)
             chunk, stream_state = result
-            answer = _json_answer(response_type(chunk=chunk, stream_state=stream_state).model_dump())
-            return dataclasses.replace(answer, sse_data=_sse_data(endpoint, chunk))
+            return _json_answer(response_type(chunk=chunk, stream_state=stream_state).model_dump())
 
         if endpoint is Endpoint.CHAT:
             result = await self._serving.derender_chat_response(request)
@@ -357,18 +355,6 @@ def _body_adapter(union: Any) -> TypeAdapter[Any]:
     from pydantic import TypeAdapter
 
     return TypeAdapter(Annotated[union, Body()])
-
-
-def _sse_data(endpoint: Endpoint, chunk: Any) -> bytes:
-    """Serialize a chunk as `vllm serve` does in its SSE streams
-    (``OpenAIServingChat`` / ``OpenAIServingCompletion`` stream generators)."""
-    if endpoint is Endpoint.CHAT:
-        data = chunk.model_dump_json(exclude_unset=True, exclude_none=not chunk.choices)
-    elif chunk.choices:
-        data = chunk.model_dump_json(exclude_unset=True)
-    else:
-        data = chunk.model_dump_json(exclude_unset=False, exclude_none=True)
-    return data.encode()
 
 
 def _json_answer(content: Any, status: int = 200) -> Answer:

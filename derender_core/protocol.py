@@ -41,9 +41,6 @@ class Answer:
 
     status: int
     raw: bytes
-    sse_data: bytes | None = None
-    """For a streamed chunk, the chunk as `vllm serve` writes it after
-    ``data: `` in its SSE stream (it leaves out unset fields)."""
 
     @cached_property
     def body(self) -> dict[str, Any]:

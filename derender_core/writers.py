@@ -101,10 +101,11 @@ class _GroupedWriter(ABC, Generic[Group]):
 
 
 class SseWriter(_GroupedWriter[list[bytes]]):
-    """Per request, the SSE transcript `vllm serve` would have streamed:
+    """Per request, the SSE transcript a client of `vllm serve` reads:
     ``data: <chunk>`` events, each followed by a blank line, then
-    ``data: [DONE]``. A failed call appears as the error event the server
-    sends mid-stream.
+    ``data: [DONE]``. Each chunk is the ``chunk`` the derender endpoint
+    answered, as a split render/generate deployment forwards it. A failed
+    call appears as the error event the server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
     request gets ``<request_id>.sse`` (unsafe characters replaced by ``_``).
@@ -122,7 +123,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         return []
 
     def _take(self, group: list[bytes], answer: Answer) -> None:
-        data = answer.sse_data if answer.ok and answer.sse_data is not None else answer.raw
+        data = _dump(answer.body["chunk"]) if answer.ok else answer.raw
         group.append(b"data: " + data + b"\n\n")
 
     def _emit(self, request_id: str | None, group: list[bytes]) -> None:
@@ -225,7 +226,7 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
             ],
         }
         response = self._finish_response({k: v for k, v in fields.items() if v is not None})
-        self._target.write(orjson.dumps(response, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        self._target.write(_dump(response) + b"\n")
 
     def _choice(self, index: int, parts: _ChoiceParts) -> dict[str, Any]:
         choice: dict[str, Any] = {
@@ -253,6 +254,11 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
 
     def _finish(self) -> None:
         self._target.flush()
+
+
+def _dump(value: Any) -> bytes:
+    """Compact JSON, as the server writes it (integer keys become strings)."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _merge_choice(parts: _ChoiceParts, choice: Mapping[str, Any]) -> None:

@@ -132,12 +132,14 @@ def logprobs_for(token_ids: Sequence[int], top: int = 2) -> dict[str, Any]:
     """Generate-style logprobs: integer token ids, the sampled one first,
     then alternatives; derender resolves them to token strings and bytes."""
     content = []
-    for position, token_id in enumerate(token_ids):
+    for token_id in token_ids:
         alternatives = [
             {"token_id": (token_id + step) % 150000, "logprob": -1.5 * step - 0.25, "rank": step + 1}
             for step in range(1, top)
         ]
-        sampled = {"token_id": token_id, "logprob": -0.125 * (position % 4), "rank": 1}
+        # A function of the id alone, so a stream's chunks and the whole
+        # output get the same values.
+        sampled = {"token_id": token_id, "logprob": -0.125 * (token_id % 4), "rank": 1}
         content.append({**sampled, "top_logprobs": [sampled, *alternatives]})
     return {"content": content}
 
@@ -339,13 +341,15 @@ class StreamPlan:
 
     request_id: str
     prompt: list[int]
-    chat_request: dict[str, Any]
+    request: dict[str, Any]
+    """The chat or completion request, per `request_key`."""
     choices: list[list[list[int]]]
     """Per choice index, the token ids of each chunk."""
     finish_only_tail: bool = False
     usage: bool = True
     logprobs: bool = False
     finish_reason: str = "stop"
+    request_key: str = "chat_request"
 
 
 def generate_chunks(plan: StreamPlan) -> list[dict[str, Any]]:
@@ -404,7 +408,7 @@ def stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     tool_call = StreamPlan(
         request_id="stream-tool-call",
         prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
-        chat_request=b.chat_request(messages, tools=[WEATHER_TOOL], tool_choice="auto", **usage),
+        request=b.chat_request(messages, tools=[WEATHER_TOOL], tool_choice="auto", **usage),
         choices=[chunks_of(b.encode(tool_text) + eos, [1])],
     )
 
@@ -412,7 +416,7 @@ def stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     n2 = StreamPlan(
         request_id="stream-n2",
         prompt=b.prompt_ids(messages),
-        chat_request=b.chat_request(messages, n=2, logprobs=True, top_logprobs=1, **usage),
+        request=b.chat_request(messages, n=2, logprobs=True, top_logprobs=1, **usage),
         choices=[
             chunks_of(b.encode(b.answer("Red.", reasoning="Short answer.")) + eos, [1]),
             chunks_of(b.encode(b.answer("Blue and green.", reasoning="Two of them.")) + eos, [2, 1]),
@@ -424,13 +428,43 @@ def stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     speculative = StreamPlan(
         request_id="stream-speculative-unicode",
         prompt=b.prompt_ids(messages, **b.family.thinking_off),
-        chat_request=b.chat_request(
-            messages, chat_template_kwargs=b.family.thinking_off, **usage
+        request=b.chat_request(
+            messages, chat_template_kwargs=b.family.thinking_off, max_tokens=30, **usage
         ),
-        choices=[chunks_of(b.encode(split_unicode_text()) + eos, [3, 1, 4, 2])],
+        # Cut by max_tokens: the engine sends the finish reason on its own.
+        choices=[chunks_of(b.encode(split_unicode_text()), [3, 1, 4, 2])],
         finish_only_tail=True,
+        finish_reason="length",
     )
     return [tool_call, n2, speculative]
+
+
+def completion_stream_plans(b: SampleBuilder) -> list[StreamPlan]:
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    name = b.family.served_name
+    text = b.encode("Roses are")
+    logprobs = StreamPlan(
+        request_id="cmpl-stream-n2",
+        prompt=text,
+        request={"model": name, "prompt": "Roses are", "n": 2, "logprobs": 1, **usage},
+        choices=[
+            chunks_of(b.encode(" red, violets are blue."), [1]),
+            chunks_of(b.encode(" fragrant and pretty."), [2]),
+        ],
+        logprobs=True,
+        finish_reason="length",
+        request_key="completion_request",
+    )
+    unicode = StreamPlan(
+        request_id="cmpl-stream-unicode",
+        prompt=b.encode("Symbols:"),
+        request={"model": name, "prompt": "Symbols:", **usage},
+        choices=[chunks_of(b.encode(" " + split_unicode_text()), [1, 3])],
+        finish_only_tail=True,
+        finish_reason="length",
+        request_key="completion_request",
+    )
+    return [logprobs, unicode]
 
 
 def interleave(streams: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -448,7 +482,7 @@ def stream_body(plan: StreamPlan, chunk: dict[str, Any], model: str) -> dict[str
         "generate_chunk": chunk,
         "prompt_tokens": len(plan.prompt),
         "prompt_token_ids": plan.prompt,
-        "chat_request": plan.chat_request,
+        plan.request_key: plan.request,
     }
 
 
@@ -461,7 +495,7 @@ def stream_bodies(b: SampleBuilder, plans: list[StreamPlan] | None = None) -> li
 
 def requests_lines(plans: list[StreamPlan]) -> list[dict[str, Any]]:
     return [
-        {"request_id": p.request_id, "chat_request": p.chat_request, "prompt_token_ids": p.prompt}
+        {"request_id": p.request_id, p.request_key: p.request, "prompt_token_ids": p.prompt}
         for p in plans
     ]
 

@@ -1,0 +1,157 @@
+"""Streaming derender parity: every chunk and every stream_state equals what
+the real render server answers when a client threads the state through it.
+
+Covers one token per chunk, several tokens per chunk (speculative
+decoding), a finish-only tail chunk, the usage-only chunk, interleaved n=2
+streams, unicode split across chunks, and reasoning plus tool calls, for
+the chat and the completion endpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+from typing import Any
+
+import orjson
+
+from derender_core import Endpoint, Job, JsonlWriter, iter_records, run
+from tests.conftest import Stack
+from tests.helpers import normalize, server_stream_answers
+from tests.sample_inputs import (
+    completion_stream_plans,
+    generate_chunks,
+    interleave,
+    stream_bodies,
+    stream_body,
+)
+
+
+def derender_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> tuple[list[Any], int]:
+    out = io.BytesIO()
+    lines = b"\n".join(orjson.dumps(body) for body in bodies) + b"\n"
+    job = Job(endpoint, stream=True)
+    report = run(stack.engine, iter_records(io.BytesIO(lines)), job, JsonlWriter(out))
+    answers = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(answers) == len(bodies) == report.records
+    return answers, report.return_code
+
+
+def assert_stream_matches_server(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> list[Any]:
+    answers, _ = derender_stream(stack, endpoint, bodies)
+    expected = server_stream_answers(stack.server, endpoint, bodies)
+    for number, (answer, (status, server_answer)) in enumerate(zip(answers, expected), start=1):
+        assert normalize(answer) == normalize(server_answer), f"call {number}"
+        assert ("error" in answer) == (status != 200)
+    return answers
+
+
+def completion_stream_bodies(stack: Stack) -> list[dict[str, Any]]:
+    plans = completion_stream_plans(stack.builder)
+    by_id = {plan.request_id: plan for plan in plans}
+    chunks = interleave([generate_chunks(plan) for plan in plans])
+    return [stream_body(by_id[c["request_id"]], c, stack.builder.family.served_name) for c in chunks]
+
+
+def text_per_request(answers: list[Any], field: str) -> dict[tuple[str, int], str]:
+    joined: dict[tuple[str, int], str] = {}
+    for answer in answers:
+        for choice in answer["chunk"]["choices"]:
+            key = (answer["chunk"]["id"], choice["index"])
+            piece = choice["delta"].get(field) if "delta" in choice else choice.get(field)
+            joined[key] = joined.get(key, "") + (piece or "")
+    return joined
+
+
+def test_chat_streams_match_server(stack: Stack) -> None:
+    bodies = stream_bodies(stack.builder)
+    answers = assert_stream_matches_server(stack, Endpoint.CHAT, bodies)
+    assert all("error" not in answer for answer in answers)
+
+    content = text_per_request(answers, "content")
+    reasoning = text_per_request(answers, "reasoning")
+    assert "Paris" in reasoning[("stream-tool-call", 0)]
+    assert "𝟏𝟐°C" in content[("stream-speculative-unicode", 0)]
+    assert "Blue and green." in content[("stream-n2", 1)]
+    # Threading works: the role goes out once per choice, and the tool call
+    # arrives as one call with a name and arguments.
+    roles = [
+        (a["chunk"]["id"], c["index"])
+        for a in answers
+        for c in a["chunk"]["choices"]
+        if c["delta"].get("role")
+    ]
+    assert sorted(roles) == sorted(set(roles)) and len(roles) == 4
+    calls = [
+        call
+        for a in answers
+        if a["chunk"]["id"] == "stream-tool-call"
+        for c in a["chunk"]["choices"]
+        for call in c["delta"].get("tool_calls", [])
+    ]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "Paris" in "".join(call["function"].get("arguments") or "" for call in calls)
+    usage_chunks = [a for a in answers if not a["chunk"]["choices"]]
+    assert len(usage_chunks) == 3 and all(a["chunk"]["usage"] for a in usage_chunks)
+
+
+def test_completion_streams_match_server(stack: Stack) -> None:
+    bodies = completion_stream_bodies(stack)
+    answers = assert_stream_matches_server(stack, Endpoint.COMPLETION, bodies)
+    assert all("error" not in answer for answer in answers)
+    text = text_per_request(answers, "text")
+    assert text[("cmpl-stream-n2", 0)] == " red, violets are blue."
+    assert text[("cmpl-stream-n2", 1)] == " fragrant and pretty."
+    assert "北京多云" in text[("cmpl-stream-unicode", 0)]
+    offsets = [
+        offset
+        for a in answers
+        if a["chunk"]["id"] == "cmpl-stream-n2"
+        for c in a["chunk"]["choices"]
+        if c["index"] == 0
+        for offset in c["logprobs"]["text_offset"]
+    ]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_rejected_calls_keep_the_stream_state(stack: Stack) -> None:
+    """Calls the server rejects get aligned error records; the stream's
+    state stays as it was and the run goes on."""
+    bodies = stream_bodies(stack.builder)
+    first_chunk = next(b for b in bodies if b["generate_chunk"]["request_id"] == "stream-tool-call")
+    second = [b for b in bodies if b["generate_chunk"]["request_id"] == "stream-tool-call"][1]
+
+    two_choices = copy.deepcopy(second)
+    extra = copy.deepcopy(two_choices["generate_chunk"]["choices"][0])
+    two_choices["generate_chunk"]["choices"].append({**extra, "index": 1})
+    with_stop = copy.deepcopy(second)
+    with_stop["chat_request"] = {**with_stop["chat_request"], "stop": ["x"]}
+    no_request = {k: v for k, v in second.items() if k != "chat_request"}
+    no_prompt = {k: v for k, v in second.items() if k != "prompt_token_ids"}
+    bad_state = {
+        **second,
+        "stream_state": {"output_token_ids": [1, 2], "output_chunk_lens": [1]},
+    }
+    wrong_model = {**second, "model": "nope"}
+    calls = [first_chunk, two_choices, with_stop, no_request, no_prompt, bad_state, wrong_model, second]
+
+    answers = assert_stream_matches_server(stack, Endpoint.CHAT, calls)
+    assert ["error" in a for a in answers] == [False, True, True, True, True, True, True, False]
+    # The last call continues from the first one's state: no second role.
+    assert answers[-1]["chunk"]["choices"][0]["delta"].get("role") is None
+    assert answers[-1]["stream_state"]["output_chunk_lens"] == [1, 1]
+
+
+def test_given_stream_state_is_used_as_is(stack: Stack) -> None:
+    """A captured body with its stream_state reproduces that one call."""
+    bodies = [b for b in stream_bodies(stack.builder) if b["generate_chunk"]["request_id"] == "stream-n2"]
+    threaded, _ = derender_stream(stack, Endpoint.CHAT, bodies)
+    # Replay the 5th call alone, with the state the 4th call of its index left.
+    index = bodies[4]["generate_chunk"]["choices"][0]["index"]
+    previous = max(
+        i for i in range(4) if bodies[i]["generate_chunk"]["choices"][0]["index"] == index
+    )
+    captured = {**bodies[4], "stream_state": threaded[previous]["stream_state"]}
+    alone = assert_stream_matches_server(stack, Endpoint.CHAT, [captured])
+    assert normalize(alone[0]) == normalize(threaded[4])

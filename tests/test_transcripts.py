@@ -1,0 +1,188 @@
+"""SSE transcripts and assembled responses.
+
+Golden files pin the formats for the bundled sample; set UPDATE_GOLDEN=1 to
+rewrite them after an intended change. Assembled responses are compared with
+one-shot derendering of the same tokens; where vLLM's streaming and one-shot
+paths disagree, the test states the difference instead of hiding it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from derender_core import AssembledWriter, Endpoint, Job, SseWriter, iter_records, run
+from tests.conftest import Stack
+from tests.helpers import SAMPLE, normalize, read_jsonl
+from tests.sample_inputs import (
+    WEATHER_TOOL,
+    SampleBuilder,
+    StreamPlan,
+    chunks_of,
+    completion_stream_plans,
+    generate_chunks,
+    interleave,
+    stream_body,
+    stream_plans,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+_CREATED = re.compile(rb'"created":\d+')
+_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
+
+
+def normalize_bytes(data: bytes) -> bytes:
+    return _TOOL_ID.sub(b"chatcmpl-tool-<id>", _CREATED.sub(b'"created":0', data))
+
+
+def check_golden(name: str, data: bytes) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(normalize_bytes(data))
+    assert normalize_bytes(data) == path.read_bytes()
+
+
+def plan_bodies(plans: list[StreamPlan], served_name: str) -> list[dict[str, Any]]:
+    by_id = {plan.request_id: plan for plan in plans}
+    chunks = interleave([generate_chunks(plan) for plan in plans])
+    return [stream_body(by_id[c["request_id"]], c, served_name) for c in chunks]
+
+
+def run_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any], writer: Any) -> None:
+    lines = b"\n".join(orjson.dumps(body) for body in bodies)
+    run(stack.engine, iter_records(io.BytesIO(lines)), Job(endpoint, stream=True), writer)
+
+
+def assembled(stack: Stack, endpoint: Endpoint, plans: list[StreamPlan]) -> dict[str, Any]:
+    out = io.BytesIO()
+    finish = stack.engine.chat_response if endpoint is Endpoint.CHAT else stack.engine.completion_response
+    bodies = plan_bodies(plans, stack.builder.family.served_name)
+    run_stream(stack, endpoint, bodies, AssembledWriter(out, endpoint, finish))
+    return {json.loads(line)["id"]: json.loads(line) for line in out.getvalue().splitlines()}
+
+
+def one_shot(stack: Stack, endpoint: Endpoint, plan: StreamPlan) -> dict[str, Any]:
+    """The same tokens, derendered in one call."""
+    choices = []
+    for index, chunks in enumerate(plan.choices):
+        ids = [t for chunk in chunks for t in chunk]
+        choice: dict[str, Any] = {"index": index, "token_ids": ids, "finish_reason": plan.finish_reason}
+        if plan.logprobs:
+            from tests.sample_inputs import logprobs_for
+
+            choice["logprobs"] = logprobs_for(ids)
+        choices.append(choice)
+    request = {k: v for k, v in plan.request.items() if k not in ("stream", "stream_options")}
+    response = {"request_id": plan.request_id, "choices": choices}
+    name = stack.builder.family.served_name
+    if endpoint is Endpoint.CHAT:
+        body = {
+            "model": name,
+            "generate_response": response,
+            "prompt_token_ids": plan.prompt,
+            "prompt_tokens": len(plan.prompt),
+            "chat_request": request,
+        }
+    else:
+        body = {
+            "model": name,
+            "generate_responses": [response],
+            "prompt_token_ids": [plan.prompt],
+            "prompt_tokens": [len(plan.prompt)],
+            "completion_request": request,
+        }
+    answer = stack.engine.post(endpoint, body)
+    assert answer.ok, answer.raw
+    return answer.body
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_assembled_equals_one_shot(stack: Stack, endpoint: Endpoint) -> None:
+    plans = stream_plans(stack.builder) if endpoint is Endpoint.CHAT else completion_stream_plans(stack.builder)
+    streams = assembled(stack, endpoint, plans)
+    assert sorted(streams) == sorted(plan.request_id for plan in plans)
+    for plan in plans:
+        assert normalize(streams[plan.request_id]) == normalize(one_shot(stack, endpoint, plan))
+
+
+def _two_tool_calls_plan(b: SampleBuilder) -> StreamPlan:
+    messages = [{"role": "user", "content": "Weather in Rome and Oslo?"}]
+    text = b.answer("", reasoning="Two cities, two calls.", tool=("get_weather", {"city": "Rome"}))
+    text += "\n" + b.family.tool_call.format(
+        name="get_weather", arguments=json.dumps({"city": "Oslo"}), city="Oslo"
+    )
+    return StreamPlan(
+        request_id="two-tools",
+        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
+        request=b.chat_request(messages, tools=[WEATHER_TOOL], stream=True),
+        choices=[chunks_of(b.encode(text) + [b.family.eos_id], [1])],
+        usage=False,
+    )
+
+
+def test_streaming_and_one_shot_disagree_on_whitespace_before_tool_calls(qwen3_stack: Stack) -> None:
+    """Documented vLLM 0.33 difference (Qwen3 + hermes): with two tool calls
+    and no text, one-shot derender gives ``content: null`` while the stream
+    sends the blank line between ``</think>`` and ``<tool_call>`` as content.
+    Tool calls, reasoning and finish reason agree."""
+    plan = _two_tool_calls_plan(qwen3_stack.builder)
+    streamed = normalize(assembled(qwen3_stack, Endpoint.CHAT, [plan])[plan.request_id])
+    whole = normalize(one_shot(qwen3_stack, Endpoint.CHAT, plan))
+    streamed_message = streamed["choices"][0]["message"]
+    whole_message = whole["choices"][0]["message"]
+    assert whole_message["content"] is None
+    assert streamed_message["content"] == "\n\n"
+    assert streamed_message["tool_calls"] == whole_message["tool_calls"]
+    assert len(whole_message["tool_calls"]) == 2
+    assert streamed_message["reasoning"] == whole_message["reasoning"]
+    assert streamed["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_sse_transcripts_golden(qwen3_stack: Stack) -> None:
+    out = io.BytesIO()
+    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=out))
+    data = out.getvalue()
+    check_golden("stream.sse", data)
+    # Each request's transcript ends in [DONE]; every event is data + blank line.
+    assert data.count(b"data: [DONE]\n\n") == 3
+    events = [e for e in data.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in events)
+
+
+def test_sse_directory_holds_one_file_per_request(qwen3_stack: Stack, tmp_path: Path) -> None:
+    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(directory=tmp_path))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
+    together = io.BytesIO()
+    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=together))
+    for path in tmp_path.iterdir():
+        assert normalize_bytes(path.read_bytes()) in normalize_bytes(together.getvalue())
+        assert path.read_bytes().endswith(b"data: [DONE]\n\n")
+
+
+def test_assembled_golden(qwen3_stack: Stack) -> None:
+    out = io.BytesIO()
+    writer = AssembledWriter(out, Endpoint.CHAT, qwen3_stack.engine.chat_response)
+    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), writer)
+    check_golden("stream_assembled.jsonl", out.getvalue())
+
+
+def test_failed_call_is_an_sse_error_event_and_the_assembled_error(qwen3_stack: Stack) -> None:
+    bodies = [b for b in read_jsonl(SAMPLE / "stream.jsonl") if b["generate_chunk"]["request_id"] == "stream-n2"]
+    broken = {**bodies[3], "model": "nope"}
+    calls = [*bodies[:3], broken, *bodies[4:]]
+    sse = io.BytesIO()
+    run_stream(qwen3_stack, Endpoint.CHAT, calls, SseWriter(target=sse))
+    error_events = [e for e in sse.getvalue().split(b"\n\n") if e.startswith(b'data: {"error"')]
+    assert len(error_events) == 1 and b"does not exist" in error_events[0]
+    out = io.BytesIO()
+    run_stream(qwen3_stack, Endpoint.CHAT, calls, AssembledWriter(out, Endpoint.CHAT, qwen3_stack.engine.chat_response))
+    assert json.loads(out.getvalue())["error"]["code"] == 404
