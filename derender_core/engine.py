@@ -94,21 +94,30 @@ def _server_args(config: RenderConfig) -> Namespace:
         validate_parsed_serve_args(args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc).removeprefix("Error: ")) from None
-    _check_parser_names(args)
+    _check_choices(args)
     return args
 
 
-def _check_parser_names(args: Namespace) -> None:
+def _check_choices(args: Namespace) -> None:
+    """Names vLLM looks up in registries only later, deep in start-up, are
+    checked here so the error can list what is registered."""
     from vllm.reasoning import ReasoningParserManager
+    from vllm.tokenizers.registry import TokenizerRegistry
     from vllm.tool_parsers import ToolParserManager
 
-    for flag, name, registered in (
-        ("--tool-call-parser", args.tool_call_parser, ToolParserManager.list_registered()),
-        ("--reasoning-parser", args.reasoning_parser, ReasoningParserManager.list_registered()),
+    for flag, name, registered, kind in (
+        ("--tool-call-parser", args.tool_call_parser, ToolParserManager.list_registered(), "parser"),
+        (
+            "--reasoning-parser",
+            args.reasoning_parser,
+            ReasoningParserManager.list_registered(),
+            "parser",
+        ),
+        ("--tokenizer-mode", args.tokenizer_mode, ["auto", *TokenizerRegistry.tokenizers], "mode"),
     ):
         if name and name not in registered:
             raise ConfigError(
-                f"{flag}: unknown parser {name!r}. Valid choices: {', '.join(sorted(registered))}."
+                f"{flag}: unknown {kind} {name!r}. Valid choices: {', '.join(sorted(registered))}."
             )
 
 
@@ -233,8 +242,22 @@ class DerenderEngine:
         except Exception as exc:  # the app's catch-all handlers, in order
             return self._exception_answer(exc)
 
-    def invalid_json(self, message: str, position: int) -> Answer:
-        """The answer to a body that is not JSON, as FastAPI words it."""
+    def invalid_json(self, message: str, position: int | None) -> Answer:
+        """The answer to a body that is not JSON, as FastAPI words it; a
+        body that is not even text (position None) gets its generic 400."""
+        if position is None:
+            from fastapi import HTTPException
+            from vllm.entrypoints.serve.exception_handling.handlers.http import (
+                http_exception_handler,
+            )
+
+            response = self._run(
+                http_exception_handler(
+                    _HANDLER_REQUEST,
+                    HTTPException(status_code=400, detail="There was an error parsing the body"),
+                )
+            )
+            return Answer(response.status_code, bytes(response.body))
         return self._validation_answer(
             [
                 {

@@ -44,7 +44,8 @@ class JsonProblem:
     parser FastAPI uses, so the error record matches the server's)."""
 
     message: str
-    position: int
+    position: int | None
+    """Where parsing failed; None when the bytes are not text at all."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
     try:
         return json.loads(body), None
     except UnicodeDecodeError as exc:
-        return None, JsonProblem(f"invalid UTF-8: {exc.reason}", exc.start)
+        return None, JsonProblem(f"not text in any JSON encoding: {exc.reason}", None)
     except json.JSONDecodeError as exc:
         return None, JsonProblem(exc.msg, exc.pos)
 

@@ -132,7 +132,7 @@ def test_non_json_object_lines_match_server(stack: Stack) -> None:
 
 
 def test_invalid_json_lines_match_server(stack: Stack) -> None:
-    lines = [b'{"generate_response": ', b"{'single': 'quotes'}", b'{"a": 1} trailing']
+    lines = [b'{"generate_response": ', b"{'single': 'quotes'}", b'{"a": 1} trailing', b"0\x000\x80"]
     answers, code = derender_lines(stack, Job(Endpoint.CHAT), lines)
     assert code == 1
     for line, answer in zip(lines, answers):

@@ -1,0 +1,235 @@
+"""The `derender` command as users run it.
+
+End-to-end tests run the installed console script in a subprocess over the
+bundled sample and compare with the real render server. The rest drive the
+Typer app in process with CliRunner; to keep them fast they reuse the
+session's real engine instead of building an identical one per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from derender_cli.main import app
+from derender_core import DerenderEngine, Endpoint, RenderConfig
+from tests.conftest import Stack, sample_config
+from tests.helpers import REPO, SAMPLE, normalize, read_jsonl, run_cli, server_stream_answers
+
+SAMPLE_FLAGS = ["--config", "sample_data/qwen3.yaml"]
+
+
+def lines_of(data: bytes) -> list[Any]:
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def server_answers(stack: Stack, endpoint: Endpoint, path: Path) -> list[Any]:
+    return [stack.server.post_raw(endpoint, line).json() for line in path.read_bytes().splitlines() if line.strip()]
+
+
+# --- end to end, as the README runs it ------------------------------------
+
+
+def test_readme_quick_start_matches_the_server(qwen3_stack: Stack) -> None:
+    done = run_cli("chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS)
+    assert done.returncode == 0, done.stderr.decode()
+    expected = server_answers(qwen3_stack, Endpoint.CHAT, SAMPLE / "chat.jsonl")
+    assert normalize(lines_of(done.stdout)) == normalize(expected)
+    assert b"derender: 4 records, 0 errors" in done.stderr
+
+
+def test_error_sample_gives_aligned_server_errors_and_exit_1(qwen3_stack: Stack) -> None:
+    done = run_cli("chat", "sample_data/chat_errors.jsonl", *SAMPLE_FLAGS)
+    assert done.returncode == 1
+    answers = lines_of(done.stdout)
+    assert answers == server_answers(qwen3_stack, Endpoint.CHAT, SAMPLE / "chat_errors.jsonl")
+    assert all("error" in answer for answer in answers)
+    assert b"record 1 (line 1): 404 The model `no-such-model` does not exist" in done.stderr
+    assert b"Traceback" not in done.stderr
+
+
+def test_stream_sample_and_generate_capture_match_the_server(qwen3_stack: Stack, tmp_path: Path) -> None:
+    """The stream bodies, and the raw generate capture joined with
+    requests.jsonl, both give the chunks and states the server gives."""
+    out = tmp_path / "stream.jsonl"
+    done = run_cli("stream", "sample_data/stream.jsonl", "-o", str(out), *SAMPLE_FLAGS)
+    assert done.returncode == 0, done.stderr.decode()
+    expected = server_stream_answers(qwen3_stack.server, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"))
+    assert normalize(read_jsonl(out)) == normalize([answer for _, answer in expected])
+
+    joined = run_cli(
+        "stream", "sample_data/generate_capture.sse", "--requests", "sample_data/requests.jsonl", *SAMPLE_FLAGS
+    )
+    assert joined.returncode == 0, joined.stderr.decode()
+    assert normalize(lines_of(joined.stdout)) == normalize(read_jsonl(out))
+
+
+def test_help_never_imports_vllm() -> None:
+    probe = (
+        "import sys\n"
+        "from derender_cli.main import main\n"
+        "for argv in (['--help'], ['chat', '--help'], ['stream', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0, exit.code\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"--tool-call-parser" in done.stdout
+
+
+def test_unknown_parser_lists_the_choices() -> None:
+    done = run_cli("chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--tool-call-parser", "hermez")
+    assert done.returncode == 2
+    assert done.stdout == b""
+    message = done.stderr.decode()
+    assert "--tool-call-parser: unknown parser 'hermez'. Valid choices:" in message
+    assert "hermes" in message and "llama3_json" in message
+    assert "Traceback" not in message
+
+
+# --- in process ------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    """CliRunner in the repository root; the sample config's engine is the
+    session's real one."""
+    monkeypatch.chdir(REPO)
+    build = DerenderEngine.build.__func__  # type: ignore[attr-defined]
+
+    def reuse(cls: type[DerenderEngine], config: RenderConfig) -> DerenderEngine:
+        absolute = dataclasses.replace(config, model=str(REPO / (config.model or "")))
+        if absolute == sample_config():
+            return qwen3_stack.engine
+        return build(cls, config)
+
+    monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
+    yield CliRunner()
+
+
+def invoke(cli: CliRunner, *args: str, stdin: bytes | None = None) -> Any:
+    return cli.invoke(app, list(args), input=stdin, catch_exceptions=False)
+
+
+def test_stdin_gzip_to_gzip_file(cli: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl.gz"
+    result = invoke(cli, "chat", "-", "-o", str(out), *SAMPLE_FLAGS, stdin=gzip.compress((SAMPLE / "chat.jsonl").read_bytes()))
+    assert result.exit_code == 0
+    answers = lines_of(gzip.decompress(out.read_bytes()))
+    assert [a["id"] for a in answers] == ["chat-tool-call", "chat-n2-logprobs", "chat-unicode", "chat-stop-string"]
+
+
+def test_stdout_carries_only_data(cli: CliRunner) -> None:
+    result = invoke(cli, "completion", "sample_data/completion.jsonl", *SAMPLE_FLAGS)
+    assert result.exit_code == 0
+    answers = lines_of(result.stdout_bytes)
+    assert len(answers) == 4 and all(a["object"] == "text_completion" for a in answers)
+    assert "derender: 4 records, 0 errors" in result.stderr
+
+
+def test_quiet_leaves_stderr_empty(cli: CliRunner) -> None:
+    result = invoke(cli, "completion", "sample_data/completion.jsonl", "-q", *SAMPLE_FLAGS)
+    assert result.exit_code == 0 and result.stderr == ""
+
+
+def test_bare_generate_responses_join_requests(cli: CliRunner, tmp_path: Path) -> None:
+    bodies = read_jsonl(SAMPLE / "chat.jsonl")
+    generate = tmp_path / "generate.jsonl"
+    generate.write_bytes(b"".join(orjson.dumps(b["generate_response"]) + b"\n" for b in bodies))
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "request_id": b["generate_response"]["request_id"],
+                    "chat_request": b["chat_request"],
+                    "prompt_token_ids": b["prompt_token_ids"],
+                }
+            )
+            + b"\n"
+            for b in bodies
+        )
+    )
+    joined = invoke(cli, "chat", str(generate), "--requests", str(requests), *SAMPLE_FLAGS)
+    direct = invoke(cli, "chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS)
+    assert joined.exit_code == direct.exit_code == 0
+    assert normalize(lines_of(joined.stdout_bytes)) == normalize(lines_of(direct.stdout_bytes))
+
+
+def test_bare_generate_response_without_requests_is_an_error_record(cli: CliRunner) -> None:
+    body = read_jsonl(SAMPLE / "chat.jsonl")[0]
+    result = invoke(cli, "chat", "-", *SAMPLE_FLAGS, stdin=orjson.dumps(body["generate_response"]) + b"\n\nnot json\n")
+    assert result.exit_code == 1
+    first, second = lines_of(result.stdout_bytes)
+    assert "--requests" in first["error"]["message"]
+    assert second["error"]["type"] == "Bad Request" and "JSON decode error" in second["error"]["message"]
+    assert "record 2 (line 3)" in result.stderr
+
+
+def test_sse_to_a_directory(cli: CliRunner, tmp_path: Path) -> None:
+    result = invoke(cli, "stream", "sample_data/stream.jsonl", "--format", "sse", "-o", f"{tmp_path}/sse/", *SAMPLE_FLAGS)
+    assert result.exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "sse").iterdir()) == [
+        "stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse",
+    ]  # fmt: skip
+
+
+def test_assembled_completion_stream(cli: CliRunner, tmp_path: Path) -> None:
+    from tests.sample_inputs import completion_stream_plans, generate_chunks, interleave, stream_body
+
+    plans = completion_stream_plans(cli_builder())
+    by_id = {p.request_id: p for p in plans}
+    bodies = [stream_body(by_id[c["request_id"]], c, "qwen3-sample") for c in interleave([generate_chunks(p) for p in plans])]
+    stdin = b"".join(orjson.dumps(b) + b"\n" for b in bodies)
+    result = invoke(cli, "stream", "-", "--endpoint", "completion", "--format", "assembled", *SAMPLE_FLAGS, stdin=stdin)
+    assert result.exit_code == 0
+    texts = {a["id"]: [c["text"] for c in a["choices"]] for a in lines_of(result.stdout_bytes)}
+    assert texts["cmpl-stream-n2"] == [" red, violets are blue.", " fragrant and pretty."]
+
+
+def cli_builder() -> Any:
+    from tests.sample_inputs import SampleBuilder, qwen3_family
+
+    return SampleBuilder(qwen3_family(SAMPLE / "qwen3"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["chat", "absent.jsonl", *SAMPLE_FLAGS], "cannot open input absent.jsonl"),
+        (["chat", "sample_data/chat.jsonl", "--model", "no/such/dir"], "--model no/such/dir: no such directory"),
+        (["chat", "sample_data/chat.jsonl"], "no model given"),
+        (["chat", "sample_data/chat.jsonl", "--config", "sample_data/missing.yaml"], "config file not found"),
+        (["chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--requests", "absent.jsonl"], "cannot open input absent.jsonl"),
+        (["stream", "sample_data/stream.jsonl", "-o", "outdir/", *SAMPLE_FLAGS], "only --format sse writes one file per request"),
+        (["chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--default-chat-template-kwargs", "{nope"], "not valid JSON"),
+    ],
+)
+def test_usage_errors_exit_2_before_processing(cli: CliRunner, args: list[str], message: str) -> None:
+    result = invoke(cli, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert result.stdout_bytes == b""
+
+
+def test_bad_flag_values_exit_2(cli: CliRunner) -> None:
+    result = invoke(cli, "stream", "sample_data/stream.jsonl", "--format", "xml", *SAMPLE_FLAGS)
+    assert result.exit_code == 2 and "xml" in result.stderr
+    result = invoke(cli, "chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--tokenizer-mode", "fancy")
+    assert result.exit_code == 2
+    assert "--tokenizer-mode: unknown mode 'fancy'. Valid choices:" in result.stderr
+    assert "mistral" in result.stderr
+    assert "Traceback" not in result.stderr
