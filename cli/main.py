@@ -61,87 +61,70 @@ class StreamMode(str, Enum):
     replay = "replay"
 
 
-# The render server's flags, in vLLM's spelling; each command takes them all.
+def _render_flag(name: str, kind: type, metavar: str, help_text: str) -> Any:
+    """A render-server flag in vLLM's spelling; booleans get a --no- form so
+    the command line can turn off what --config turned on."""
+    flag = "--" + name.replace("_", "-")
+    if kind is bool:
+        option = typer.Option(
+            f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False, rich_help_panel=RENDER_PANEL
+        )
+    else:
+        option = typer.Option(flag, metavar=metavar, help=help_text, rich_help_panel=RENDER_PANEL)
+    return Annotated[Optional[kind], option]  # type: ignore[valid-type]
+
+
+# The render server's flags, each command takes them all; None means "not given".
 _RENDER_OPTIONS: dict[str, Any] = {
     "config": Annotated[
         Optional[Path],
         typer.Option(
             "--config",
+            metavar="FILE",
             help="YAML file of the flags below, as `vllm serve --config` reads it. "
             "Flags given here override it.",
             rich_help_panel=RENDER_PANEL,
         ),
     ],
-    "model": Annotated[
-        Optional[str],
-        typer.Option("--model", help="Local model directory (tokenizer, config.json, generation_config.json).", rich_help_panel=RENDER_PANEL),
-    ],
-    "tokenizer": Annotated[
-        Optional[str],
-        typer.Option("--tokenizer", help="Tokenizer directory, if not the model's.", rich_help_panel=RENDER_PANEL),
-    ],
-    "served_model_name": Annotated[
-        Optional[list[str]],
-        typer.Option("--served-model-name", help="Model name(s) requests may use; repeat for several. Default: --model.", rich_help_panel=RENDER_PANEL),
-    ],
-    "tokenizer_mode": Annotated[
-        Optional[str],
-        typer.Option("--tokenizer-mode", help="auto, hf, slow, mistral, ... as vLLM accepts.", rich_help_panel=RENDER_PANEL),
-    ],
-    "trust_remote_code": Annotated[
-        Optional[bool],
-        typer.Option("--trust-remote-code/--no-trust-remote-code", help="Trust code in the model directory.", show_default=False, rich_help_panel=RENDER_PANEL),
-    ],
-    "max_model_len": Annotated[
-        Optional[str],
-        typer.Option("--max-model-len", help="Context length bound checked before decoding (e.g. 4096, 32k).", rich_help_panel=RENDER_PANEL),
-    ],
-    "tool_call_parser": Annotated[
-        Optional[str],
-        typer.Option("--tool-call-parser", help="vLLM tool call parser, e.g. hermes.", rich_help_panel=RENDER_PANEL),
-    ],
-    "reasoning_parser": Annotated[
-        Optional[str],
-        typer.Option("--reasoning-parser", help="vLLM reasoning parser, e.g. qwen3.", rich_help_panel=RENDER_PANEL),
-    ],
-    "enable_auto_tool_choice": Annotated[
-        Optional[bool],
-        typer.Option("--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="Parse tool calls for tool_choice=auto.", show_default=False, rich_help_panel=RENDER_PANEL),
-    ],
-    "exclude_tools_when_tool_choice_none": Annotated[
-        Optional[bool],
-        typer.Option(
-            "--exclude-tools-when-tool-choice-none/--no-exclude-tools-when-tool-choice-none",
-            help="Drop tools from the request when tool_choice is none.",
-            show_default=False,
-            rich_help_panel=RENDER_PANEL,
-        ),
-    ],
-    "chat_template": Annotated[
-        Optional[str],
-        typer.Option("--chat-template", help="Chat template file or inline template.", rich_help_panel=RENDER_PANEL),
-    ],
-    "chat_template_content_format": Annotated[
-        Optional[str],
-        typer.Option("--chat-template-content-format", help="auto, string or openai.", rich_help_panel=RENDER_PANEL),
-    ],
-    "default_chat_template_kwargs": Annotated[
-        Optional[str],
-        typer.Option("--default-chat-template-kwargs", help='JSON object, e.g. \'{"enable_thinking": false}\'.', rich_help_panel=RENDER_PANEL),
-    ],
+    **{
+        name: _render_flag(name, kind, metavar, help_text)
+        for name, kind, metavar, help_text in (
+            ("model", str, "DIR", "Local model directory (tokenizer, config.json, generation_config.json)."),
+            ("tokenizer", str, "DIR", "Tokenizer directory, if not the model's."),
+            ("served_model_name", list[str], "NAME", "Model name requests may use; repeat for several. Default: --model."),
+            ("tokenizer_mode", str, "MODE", "auto, hf, mistral, ... as vLLM registers them."),
+            ("trust_remote_code", bool, "", "Trust code in the model directory."),
+            ("max_model_len", str, "LEN", "Context length bound checked before decoding (e.g. 4096, 32k)."),
+            ("tool_call_parser", str, "NAME", "vLLM tool call parser, e.g. hermes."),
+            ("reasoning_parser", str, "NAME", "vLLM reasoning parser, e.g. qwen3."),
+            ("enable_auto_tool_choice", bool, "", "Parse tool calls for tool_choice=auto."),
+            ("exclude_tools_when_tool_choice_none", bool, "", "Drop tools from the request when tool_choice is none."),
+            ("chat_template", str, "TEMPLATE", "Chat template file or inline template."),
+            ("chat_template_content_format", str, "FORMAT", "auto, string or openai."),
+            ("default_chat_template_kwargs", str, "JSON", 'JSON object, e.g. \'{"enable_thinking": false}\'.'),
+        )
+    },
 }
 
 InputArg = Annotated[
     str,
-    typer.Argument(help="JSONL or SSE capture to read; - for stdin. Gzip is detected.", show_default=False),
+    typer.Argument(
+        metavar="INPUT",
+        help="JSONL or SSE capture to read; - for stdin. Gzip is detected.",
+        show_default=False,
+    ),
 ]
 OutputOpt = Annotated[
-    str, typer.Option("--output", "-o", help="Where to write; - for stdout. A .gz path is gzipped.")
+    str,
+    typer.Option(
+        "--output", "-o", metavar="PATH", help="Where to write; - for stdout. A .gz path is gzipped."
+    ),
 ]
 RequestsOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--requests",
+        metavar="FILE",
         help="JSONL of the original requests (request_id, chat_request or completion_request, "
         "prompt_token_ids, optional prompt_tokens and model), to join bare generate output by request_id.",
     ),
@@ -247,44 +230,46 @@ def _open_writer(
             yield JsonlWriter(target)
 
 
-@app.command()
-@with_render_options
-def chat(
-    input_path: InputArg,
-    output: OutputOpt = "-",
-    requests: RequestsOpt = None,
-    quiet: QuietOpt = False,
-    *,
-    config: RenderConfig,
-    console: Console,
-) -> int:
-    """Derender one-shot chat completions.
+def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
+    """`chat` and `completion` differ only in their endpoint."""
 
-    Each input line is the JSON body of POST /v1/chat/completions/derender
-    (or, with --requests, a bare GenerateResponse). Output line i is the
-    ChatCompletionResponse, or the server's error, for input record i.
-    """
-    return _derender(config, console, input_path, output, Endpoint.CHAT, requests, quiet)
+    def command(
+        input_path: InputArg,
+        output: OutputOpt = "-",
+        requests: RequestsOpt = None,
+        quiet: QuietOpt = False,
+        *,
+        config: RenderConfig,
+        console: Console,
+    ) -> int:
+        return _derender(config, console, input_path, output, endpoint, requests, quiet)
+
+    command.__doc__ = doc
+    return with_render_options(command)
 
 
-@app.command()
-@with_render_options
-def completion(
-    input_path: InputArg,
-    output: OutputOpt = "-",
-    requests: RequestsOpt = None,
-    quiet: QuietOpt = False,
-    *,
-    config: RenderConfig,
-    console: Console,
-) -> int:
-    """Derender one-shot completions.
+app.command("chat")(
+    _one_shot_command(
+        Endpoint.CHAT,
+        """Derender one-shot chat completions.
 
-    Each input line is the JSON body of POST /v1/completions/derender (or,
-    with --requests, a bare GenerateResponse). Output line i is the
-    CompletionResponse, or the server's error, for input record i.
-    """
-    return _derender(config, console, input_path, output, Endpoint.COMPLETION, requests, quiet)
+        Each input line is the JSON body of POST /v1/chat/completions/derender
+        (or, with --requests, a bare GenerateResponse). Output line i is the
+        ChatCompletionResponse, or the server's error, for input record i.
+        """,
+    )
+)
+app.command("completion")(
+    _one_shot_command(
+        Endpoint.COMPLETION,
+        """Derender one-shot completions.
+
+        Each input line is the JSON body of POST /v1/completions/derender (or,
+        with --requests, a bare GenerateResponse). Output line i is the
+        CompletionResponse, or the server's error, for input record i.
+        """,
+    )
+)
 
 
 @app.command()
@@ -294,7 +279,10 @@ def stream(
     output: Annotated[
         str,
         typer.Option(
-            "--output", "-o", help="Where to write; - for stdout; DIR/ for one .sse file per request."
+            "--output",
+            "-o",
+            metavar="PATH",
+            help="Where to write; - for stdout; DIR/ for one .sse file per request.",
         ),
     ] = "-",
     output_format: Annotated[
@@ -331,6 +319,8 @@ def stream(
     stream_state is threaded per (request_id, choice index) unless a body
     carries its own.
     """
+    # Replay is the only mode: every call takes vLLM's own per-call path.
+    assert mode is StreamMode.replay
     return _derender(
         config, console, input_path, output, endpoint, requests, quiet, stream_format=output_format
     )

@@ -8,6 +8,7 @@ timestamps and the random ``chatcmpl-tool-…`` ids.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -21,7 +22,17 @@ from typing import Any
 
 import httpx
 
-from derender_core import Endpoint, RenderConfig
+from derender_core import (
+    DerenderEngine,
+    Endpoint,
+    Job,
+    JsonlWriter,
+    RenderConfig,
+    Report,
+    Writer,
+    iter_records,
+    run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data"
@@ -42,6 +53,20 @@ def normalize(value: Any) -> Any:
 
 def read_jsonl(path: Path) -> list[Any]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def run_lines(engine: DerenderEngine, job: Job, lines: list[bytes], writer: Writer) -> Report:
+    """Run the library pipeline over input lines, as the CLI does."""
+    return run(engine, iter_records(io.BytesIO(b"\n".join(lines) + b"\n")), job, writer)
+
+
+def jsonl_answers(engine: DerenderEngine, job: Job, lines: list[bytes]) -> tuple[list[Any], int]:
+    """The JSONL answers to input lines, one per line, and the exit code."""
+    out = io.BytesIO()
+    report = run_lines(engine, job, lines, JsonlWriter(out))
+    answers = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(answers) == len(lines) == report.records
+    return answers, report.return_code
 
 
 def free_port() -> int:

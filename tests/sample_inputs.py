@@ -254,26 +254,44 @@ def chat_error_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
 # --- one-shot completion ---------------------------------------------------
 
 
-def completion_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
+def one_prompt_completion(
+    b: SampleBuilder,
+    request_id: str,
+    prompt_text: str,
+    output_text: str,
+    request: dict[str, Any] | None = None,
+    **choice_fields: Any,
+) -> dict[str, Any]:
+    """A completion derender body for one prompt and one choice."""
     name = b.family.served_name
-    prompt = b.encode("The capital of France is")
-    output = b.encode(" Paris. It is known for the Eiffel Tower.")
-    yield {
+    prompt = b.encode(prompt_text)
+    output = b.encode(output_text)
+    if choice_fields.pop("with_logprobs", False):
+        choice_fields["logprobs"] = logprobs_for(output, top=3)
+    return {
         "model": name,
         "generate_responses": [
-            {
-                "request_id": "cmpl-logprobs",
-                "choices": [
-                    _choice(0, output, finish_reason="length", logprobs=logprobs_for(output, top=3))
-                ],
-            }
+            {"request_id": request_id, "choices": [_choice(0, output, **choice_fields)]}
         ],
         "prompt_tokens": [len(prompt)],
         "prompt_token_ids": [prompt],
-        "completion_request": {"model": name, "prompt": "The capital of France is", "logprobs": 2},
+        "completion_request": {"model": name, "prompt": prompt_text, **(request or {})},
     }
 
+
+def completion_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
+    yield one_prompt_completion(
+        b,
+        "cmpl-logprobs",
+        "The capital of France is",
+        " Paris. It is known for the Eiffel Tower.",
+        {"logprobs": 2},
+        finish_reason="length",
+        with_logprobs=True,
+    )
+
     # Two prompts, n=2 each: one GenerateResponse per prompt.
+    name = b.family.served_name
     prompts = ["Roses are", "2 + 2 ="]
     outputs = [[" red", " blue"], [" 4", " four"]]
     yield {
@@ -293,32 +311,18 @@ def completion_bodies(b: SampleBuilder) -> Iterator[dict[str, Any]]:
         "completion_request": {"model": name, "prompt": prompts, "n": 2, "max_tokens": 2},
     }
 
-    prompt = b.encode("Symbols:")
-    output = b.encode(" " + split_unicode_text())
-    yield {
-        "model": name,
-        "generate_responses": [
-            {"request_id": "cmpl-unicode", "choices": [_choice(0, output, finish_reason="length")]}
-        ],
-        "prompt_tokens": [len(prompt)],
-        "prompt_token_ids": [prompt],
-        "completion_request": {"model": name, "prompt": "Symbols:"},
-    }
-
-    prompt = b.encode("List: a, b,")
-    output = b.encode(" c, d, STOP e")
-    yield {
-        "model": name,
-        "generate_responses": [
-            {
-                "request_id": "cmpl-stop",
-                "choices": [_choice(0, output, finish_reason="stop", stop_reason="STOP")],
-            }
-        ],
-        "prompt_tokens": [len(prompt)],
-        "prompt_token_ids": [prompt],
-        "completion_request": {"model": name, "prompt": "List: a, b,", "stop": ["STOP"]},
-    }
+    yield one_prompt_completion(
+        b, "cmpl-unicode", "Symbols:", " " + split_unicode_text(), finish_reason="length"
+    )
+    yield one_prompt_completion(
+        b,
+        "cmpl-stop",
+        "List: a, b,",
+        " c, d, STOP e",
+        {"stop": ["STOP"]},
+        finish_reason="stop",
+        stop_reason="STOP",
+    )
 
 
 # --- streams ---------------------------------------------------------------

@@ -8,16 +8,14 @@ normalised.
 
 from __future__ import annotations
 
-import io
-import json
 from typing import Any
 
 import orjson
 import pytest
 
-from derender_core import Endpoint, Job, JsonlWriter, iter_records, run
+from derender_core import Endpoint, Job
 from tests.conftest import Stack
-from tests.helpers import normalize
+from tests.helpers import jsonl_answers, normalize
 from tests.sample_inputs import (
     SampleBuilder,
     chat_bodies,
@@ -27,17 +25,8 @@ from tests.sample_inputs import (
 )
 
 
-def derender_lines(stack: Stack, job: Job, lines: list[bytes]) -> tuple[list[Any], int]:
-    """Run the library pipeline over JSONL lines; return answers and exit code."""
-    out = io.BytesIO()
-    report = run(stack.engine, iter_records(io.BytesIO(b"\n".join(lines) + b"\n")), job, JsonlWriter(out))
-    answers = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(answers) == len(lines) == report.records
-    return answers, report.return_code
-
-
 def assert_matches_server(stack: Stack, endpoint: Endpoint, lines: list[bytes]) -> list[Any]:
-    answers, _ = derender_lines(stack, Job(endpoint), lines)
+    answers, _ = jsonl_answers(stack.engine, Job(endpoint), lines)
     for line, answer in zip(lines, answers):
         response = stack.server.post_raw(endpoint, line)
         assert normalize(answer) == normalize(response.json()), line[:200]
@@ -133,7 +122,7 @@ def test_non_json_object_lines_match_server(stack: Stack) -> None:
 
 def test_invalid_json_lines_match_server(stack: Stack) -> None:
     lines = [b'{"generate_response": ', b"{'single': 'quotes'}", b'{"a": 1} trailing', b"0\x000\x80"]
-    answers, code = derender_lines(stack, Job(Endpoint.CHAT), lines)
+    answers, code = jsonl_answers(stack.engine, Job(Endpoint.CHAT), lines)
     assert code == 1
     for line, answer in zip(lines, answers):
         response = stack.server.post_raw(Endpoint.CHAT, line)

@@ -10,15 +10,13 @@ the chat and the completion endpoint.
 from __future__ import annotations
 
 import copy
-import io
-import json
 from typing import Any
 
 import orjson
 
-from derender_core import Endpoint, Job, JsonlWriter, iter_records, run
+from derender_core import Endpoint, Job
 from tests.conftest import Stack
-from tests.helpers import normalize, server_stream_answers
+from tests.helpers import jsonl_answers, normalize, server_stream_answers
 from tests.sample_inputs import (
     completion_stream_plans,
     generate_chunks,
@@ -29,13 +27,7 @@ from tests.sample_inputs import (
 
 
 def derender_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> tuple[list[Any], int]:
-    out = io.BytesIO()
-    lines = b"\n".join(orjson.dumps(body) for body in bodies) + b"\n"
-    job = Job(endpoint, stream=True)
-    report = run(stack.engine, iter_records(io.BytesIO(lines)), job, JsonlWriter(out))
-    answers = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(answers) == len(bodies) == report.records
-    return answers, report.return_code
+    return jsonl_answers(stack.engine, Job(endpoint, stream=True), [orjson.dumps(b) for b in bodies])
 
 
 def assert_stream_matches_server(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> list[Any]:

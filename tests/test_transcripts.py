@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import AssembledWriter, Endpoint, Job, SseWriter, iter_records, run
+from derender_core import AssembledWriter, Endpoint, Job, SseWriter
 from tests.conftest import Stack
-from tests.helpers import SAMPLE, normalize, read_jsonl
+from tests.helpers import SAMPLE, normalize, read_jsonl, run_lines
 from tests.sample_inputs import (
     WEATHER_TOOL,
     SampleBuilder,
@@ -57,8 +57,7 @@ def plan_bodies(plans: list[StreamPlan], served_name: str) -> list[dict[str, Any
 
 
 def run_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any], writer: Any) -> None:
-    lines = b"\n".join(orjson.dumps(body) for body in bodies)
-    run(stack.engine, iter_records(io.BytesIO(lines)), Job(endpoint, stream=True), writer)
+    run_lines(stack.engine, Job(endpoint, stream=True), [orjson.dumps(b) for b in bodies], writer)
 
 
 def assembled(stack: Stack, endpoint: Endpoint, plans: list[StreamPlan]) -> dict[str, Any]:
