@@ -9,6 +9,7 @@ vLLM is imported only once a command runs, never for ``--help``.
 import contextlib
 import functools
 import inspect
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -155,8 +156,9 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
             console.print(f"derender: error: {exc}", markup=False)
             raise typer.Exit(2) from None
         except BrokenPipeError:
-            # The reader went away (`| head`): stop quietly, as shell tools do.
-            sys.stdout = None  # type: ignore[assignment]
+            # The reader went away (`| head`): stop quietly, as shell tools
+            # do, and keep Python's exit-time flush from failing again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(141) from None
         raise typer.Exit(code)
 
@@ -182,17 +184,21 @@ def _derender(
     from derender_core import DerenderEngine, run
 
     directory = _sse_directory(output, stream_format)
-    with open_input(input_path) as source:
-        requests = RequestIndex(str(requests_path)) if requests_path else None
-        with ProgressDisplay(console, enabled=not quiet) as progress:
-            progress.loading(config.model or "")
-            engine = DerenderEngine.build(config)
-            job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
-            with _open_writer(output, directory, stream_format, job_endpoint, engine) as writer:
-                report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
-        engine.close()
-        if requests is not None:
-            requests.close()
+    with contextlib.ExitStack() as resources:
+        source = resources.enter_context(open_input(input_path))
+        requests = None
+        if requests_path is not None:
+            requests = RequestIndex(str(requests_path))
+            resources.callback(requests.close)
+        progress = resources.enter_context(ProgressDisplay(console, enabled=not quiet))
+        progress.loading(config.model or "")
+        engine = DerenderEngine.build(config)
+        resources.callback(engine.close)
+        job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
+        writer = resources.enter_context(
+            _open_writer(output, directory, stream_format, job_endpoint, engine)
+        )
+        report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
     if not quiet:
         print_summary(console, report, engine.startup_seconds)
     return report.return_code

@@ -66,9 +66,10 @@ def prepare_environment() -> bool:
         handler.setFormatter(logging.Formatter("derender: vllm %(levelname)s: %(message)s"))
         vllm_logger.addHandler(handler)
         vllm_logger.propagate = False
-    vllm_logger.setLevel(
-        logging.ERROR if quiet_startup else os.environ["VLLM_LOGGING_LEVEL"].upper()
-    )
+    level = "ERROR" if quiet_startup else os.environ["VLLM_LOGGING_LEVEL"].upper()
+    if level not in logging.getLevelNamesMapping():
+        raise ConfigError(f"VLLM_LOGGING_LEVEL={level!r} is not a logging level")
+    vllm_logger.setLevel(level)
     return quiet_startup
 
 
@@ -121,24 +122,70 @@ def _check_choices(args: Namespace) -> None:
             )
 
 
+def _derender_stack(args: Namespace) -> Any:
+    """`init_render_app_state`'s derender half: the served names, the
+    renderer and ``OnlineDerenderer``, behind ``ServingDerender``."""
+    from vllm import AsyncEngineArgs, envs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.common.cli_args import resolve_default_chat_template_kwargs
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
+    from vllm.entrypoints.scale_out.derender.serving import ServingDerender
+    from vllm.renderers import renderer_from_config
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_derenderer import OnlineDerenderer
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    model_config = engine_args.create_model_config()
+    # As the render server: no inference, so no quantized kernels to
+    # validate and no KV cache to size.
+    model_config.quantization = None
+    envs.VLLM_CPU_KVCACHE_SPACE = 0
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        logging_config=engine_args.create_logging_config(),
+        structured_outputs_config=engine_args.create_structured_outputs_config(),
+    )
+    renderer = renderer_from_config(vllm_config)
+    served_model_names = args.served_model_name or [args.model]
+    registry = OpenAIModelRegistry(
+        model_config=model_config,
+        base_model_paths=[
+            BaseModelPath(name=name, model_path=args.model) for name in served_model_names
+        ],
+    )
+    derenderer = OnlineDerenderer(
+        model_config=model_config,
+        renderer=renderer,
+        request_logger=None,
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_parser=args.tool_call_parser,
+        tool_strict_level=args.tool_strict_level,
+        # The server's order: the flag, then the model's own default.
+        reasoning_parser=(
+            args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser
+        ),
+        default_chat_template_kwargs=resolve_default_chat_template_kwargs(args),
+        reasoning_effort_map=args.reasoning_effort_map,
+        log_error_stack=args.log_error_stack,
+    )
+    return ServingDerender(registry, derenderer, request_logger=None)
+
+
 class DerenderEngine:
     """One render server's derender endpoints, in process."""
 
-    def __init__(
-        self,
-        serving: Any,
-        served_model_names: list[str],
-        max_model_len: int,
-        startup_seconds: float,
-    ) -> None:
+    def __init__(self, serving: Any, startup_seconds: float) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequestUnion,
             DerenderCompletionRequestUnion,
         )
 
         self._serving = serving
-        self.served_model_names = served_model_names
-        self.max_model_len = max_model_len
         self.startup_seconds = startup_seconds
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
             Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
@@ -159,69 +206,16 @@ class DerenderEngine:
         config.check_paths()
         quiet_startup = prepare_environment()
 
-        from vllm import AsyncEngineArgs, envs
-        from vllm.config import VllmConfig
-        from vllm.entrypoints.common.cli_args import resolve_default_chat_template_kwargs
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
-        from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
-        from vllm.entrypoints.scale_out.derender.serving import ServingDerender
-        from vllm.renderers import renderer_from_config
-        from vllm.renderers.chat_utils import load_chat_template
-        from vllm.renderers.online_derenderer import OnlineDerenderer
-
         args = _server_args(config)
-        engine_args = AsyncEngineArgs.from_cli_args(args)
         try:
-            model_config = engine_args.create_model_config()
-            # As the render server: no inference, so no quantized kernels
-            # to validate and no KV cache to size.
-            model_config.quantization = None
-            envs.VLLM_CPU_KVCACHE_SPACE = 0
-            vllm_config = VllmConfig(
-                model_config=model_config,
-                logging_config=engine_args.create_logging_config(),
-                structured_outputs_config=engine_args.create_structured_outputs_config(),
-            )
-            renderer = renderer_from_config(vllm_config)
-            chat_template = load_chat_template(args.chat_template)
-        except (ValueError, TypeError, OSError) as exc:
-            raise ConfigError(f"cannot load model {config.model}: {exc}") from None
-
-        served_model_names = args.served_model_name or [args.model]
-        registry = OpenAIModelRegistry(
-            model_config=model_config,
-            base_model_paths=[
-                BaseModelPath(name=name, model_path=args.model) for name in served_model_names
-            ],
-        )
-        derenderer = OnlineDerenderer(
-            model_config=model_config,
-            renderer=renderer,
-            request_logger=None,
-            chat_template=chat_template,
-            chat_template_content_format=args.chat_template_content_format,
-            trust_request_chat_template=args.trust_request_chat_template,
-            enable_auto_tools=args.enable_auto_tool_choice,
-            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-            tool_parser=args.tool_call_parser,
-            tool_strict_level=args.tool_strict_level,
-            # The server's order: the flag, then the model's own default.
-            reasoning_parser=(
-                args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser
-            ),
-            default_chat_template_kwargs=resolve_default_chat_template_kwargs(args),
-            reasoning_effort_map=args.reasoning_effort_map,
-            log_error_stack=args.log_error_stack,
-        )
-        serving = ServingDerender(registry, derenderer, request_logger=None)
+            serving = _derender_stack(args)
+        except Exception as exc:
+            # Whatever stops vLLM's stack from starting stops the server
+            # too: a configuration problem, reported without a traceback.
+            raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             _show_warnings_from_now_on()
-        return cls(
-            serving,
-            served_model_names=list(served_model_names),
-            max_model_len=model_config.max_model_len,
-            startup_seconds=time.perf_counter() - started,
-        )
+        return cls(serving, startup_seconds=time.perf_counter() - started)
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one derender call as ``POST endpoint.path`` would."""

@@ -16,8 +16,14 @@ import pytest
 
 from derender_core import DerenderEngine, RenderConfig
 from tests.helpers import SAMPLE, RenderServer
-from tests.model_factory import build_deepseek_v4
-from tests.sample_inputs import Family, SampleBuilder, deepseek_v4_family, qwen3_family
+from tests.model_factory import build_deepseek_v4, build_llama3
+from tests.sample_inputs import (
+    Family,
+    SampleBuilder,
+    deepseek_v4_family,
+    llama3_family,
+    qwen3_family,
+)
 
 
 @dataclass
@@ -76,7 +82,19 @@ def deepseek_v4_stack(deepseek_dir: Path, tmp_path_factory: pytest.TempPathFacto
     yield from _start("deepseek_v4", config, deepseek_v4_family(deepseek_dir), tmp_path_factory.mktemp("logs"))
 
 
-@pytest.fixture(scope="session", params=["qwen3", "deepseek_v4"])
+@pytest.fixture(scope="session")
+def llama3_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    model_dir = build_llama3(tmp_path_factory.mktemp("models") / "llama3")
+    config = RenderConfig(
+        model=str(model_dir),
+        served_model_name=("llama3-test",),
+        tool_call_parser="llama3_json",
+        enable_auto_tool_choice=True,
+    )
+    yield from _start("llama3", config, llama3_family(model_dir), tmp_path_factory.mktemp("logs"))
+
+
+@pytest.fixture(scope="session", params=["qwen3", "deepseek_v4", "llama3"])
 def stack(request: pytest.FixtureRequest) -> Stack:
     """Each model family in turn."""
     return request.getfixturevalue(f"{request.param}_stack")

@@ -306,20 +306,26 @@ def build_qwen3(target: Path) -> Path:
     return _write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)
 
 
+# Llama 3.1 keeps Llama 3's vocabulary and ids but names three reserved
+# tokens; vLLM's llama3_json parser needs <|python_tag|>.
+LLAMA31_SPECIAL_NAMES = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}
+
+
 def build_llama3(target: Path) -> Path:
-    """Llama 3: quicktok's llama3 ranks; every added token is special."""
+    """Llama 3.1: quicktok's llama3 ranks with 3.1's special-token names;
+    every added token is special."""
+    specials = [
+        (token_id, LLAMA31_SPECIAL_NAMES.get(token_id, content))
+        for token_id, content in read_quicktok_specials("llama3")
+    ]
     tokenizer_json = _tiktoken_tokenizer_json(
-        read_quicktok_ranks("llama3"),
-        LLAMA3_PATTERN,
-        read_quicktok_specials("llama3"),
-        frozenset(),
-        nfc=False,
+        read_quicktok_ranks("llama3"), LLAMA3_PATTERN, specials, frozenset(), nfc=False
     )
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|begin_of_text|>",
         "eos_token": "<|eot_id|>",
-        "clean_up_tokenization_spaces": True,
+        "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
         "added_tokens_decoder": _added_tokens_decoder(tokenizer_json),
         "chat_template": LLAMA3_CHAT_TEMPLATE,

@@ -48,6 +48,9 @@ class Family:
     """The model's tool call markup, with {name} and {arguments}."""
     thinking_off: dict[str, Any]
     """chat_template_kwargs that turn thinking off."""
+    text_before_tool_call: bool = True
+    """Whether the model writes text ahead of a tool call (Llama 3.1 emits
+    the call's JSON alone)."""
 
 
 def qwen3_family(model_dir: Path, served_name: str = "qwen3-sample") -> Family:
@@ -75,6 +78,18 @@ def deepseek_v4_family(model_dir: Path, served_name: str = "deepseek-v4-test") -
             "</｜DSML｜tool_calls>"
         ),
         thinking_off={"thinking": False},
+    )
+
+
+def llama3_family(model_dir: Path, served_name: str = "llama3-test") -> Family:
+    return Family(
+        model_dir=model_dir,
+        served_name=served_name,
+        eos_id=128009,
+        reasoning=None,
+        tool_call='{{"name": "{name}", "parameters": {arguments}}}',
+        thinking_off={},
+        text_before_tool_call=False,
     )
 
 
@@ -112,7 +127,8 @@ class SampleBuilder:
         if reasoning is not None and self.family.reasoning is not None:
             before, after = self.family.reasoning
             text += before + reasoning + after
-        text += content
+        if tool is None or self.family.text_before_tool_call:
+            text += content
         if tool is not None:
             name, arguments = tool
             text += self.family.tool_call.format(

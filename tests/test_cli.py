@@ -24,7 +24,15 @@ from typer.testing import CliRunner
 from derender_cli.main import app
 from derender_core import DerenderEngine, Endpoint, RenderConfig
 from tests.conftest import Stack, sample_config
-from tests.helpers import REPO, SAMPLE, normalize, read_jsonl, run_cli, server_stream_answers
+from tests.helpers import (
+    REPO,
+    SAMPLE,
+    normalize,
+    offline_env,
+    read_jsonl,
+    run_cli,
+    server_stream_answers,
+)
 
 SAMPLE_FLAGS = ["--config", "sample_data/qwen3.yaml"]
 
@@ -132,11 +140,12 @@ def test_stdin_gzip_to_gzip_file(cli: CliRunner, tmp_path: Path) -> None:
     assert [a["id"] for a in answers] == ["chat-tool-call", "chat-n2-logprobs", "chat-unicode", "chat-stop-string"]
 
 
-def test_stdout_carries_only_data(cli: CliRunner) -> None:
+def test_completion_sample_stdout_carries_only_the_servers_answers(cli: CliRunner, qwen3_stack: Stack) -> None:
     result = invoke(cli, "completion", "sample_data/completion.jsonl", *SAMPLE_FLAGS)
     assert result.exit_code == 0
     answers = lines_of(result.stdout_bytes)
-    assert len(answers) == 4 and all(a["object"] == "text_completion" for a in answers)
+    assert normalize(answers) == normalize(server_answers(qwen3_stack, Endpoint.COMPLETION, SAMPLE / "completion.jsonl"))
+    assert all(a["object"] == "text_completion" for a in answers)
     assert "derender: 4 records, 0 errors" in result.stderr
 
 
@@ -233,3 +242,32 @@ def test_bad_flag_values_exit_2(cli: CliRunner) -> None:
     assert "--tokenizer-mode: unknown mode 'fancy'. Valid choices:" in result.stderr
     assert "mistral" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_parser_the_tokenizer_cannot_serve_is_a_usage_error(cli: CliRunner, deepseek_dir: Path) -> None:
+    """vLLM refuses to start the server for this pairing; so do we, exit 2."""
+    result = invoke(
+        cli, "chat", "sample_data/chat.jsonl", "--model", str(deepseek_dir),
+        "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "--tool-call-parser llama3_json cannot be used with the tokenizer" in result.stderr
+    assert "<|python_tag|>" in result.stderr
+    assert result.stdout_bytes == b""
+
+
+def test_broken_pipe_ends_quietly_with_141(tmp_path: Path) -> None:
+    """`derender ... | head`: the reader leaves, the run stops, no traceback."""
+    many = tmp_path / "many.jsonl"
+    many.write_bytes((SAMPLE / "chat.jsonl").read_bytes() * 200)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("derender")), "chat", str(many), *SAMPLE_FLAGS],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=offline_env(),
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 141
+    assert json.loads(first)["id"] == "chat-tool-call"
+    assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr

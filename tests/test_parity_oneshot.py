@@ -109,7 +109,8 @@ def test_chat_sample_and_errors_match_server(stack: Stack) -> None:
     tool_call_answer = sample[0]["choices"][0]
     assert tool_call_answer["finish_reason"] == "tool_calls"
     assert tool_call_answer["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert "Paris" in tool_call_answer["message"]["reasoning"]
+    if b.family.reasoning is not None:
+        assert "Paris" in tool_call_answer["message"]["reasoning"]
     assert [c["index"] for c in sample[1]["choices"]] == [0, 1]
     assert sample[2]["choices"][0]["message"]["content"].startswith("Weather symbols: 🌦️")
     assert sample[3]["choices"][0]["message"]["content"] == "One, two, three. "

@@ -63,7 +63,8 @@ def test_chat_streams_match_server(stack: Stack) -> None:
 
     content = text_per_request(answers, "content")
     reasoning = text_per_request(answers, "reasoning")
-    assert "Paris" in reasoning[("stream-tool-call", 0)]
+    if stack.builder.family.reasoning is not None:
+        assert "Paris" in reasoning[("stream-tool-call", 0)]
     assert "𝟏𝟐°C" in content[("stream-speculative-unicode", 0)]
     assert "Blue and green." in content[("stream-n2", 1)]
     # Threading works: the role goes out once per choice, and the tool call

@@ -185,3 +185,29 @@ def test_failed_call_is_an_sse_error_event_and_the_assembled_error(qwen3_stack: 
     out = io.BytesIO()
     run_stream(qwen3_stack, Endpoint.CHAT, calls, AssembledWriter(out, Endpoint.CHAT, qwen3_stack.engine.chat_response))
     assert json.loads(out.getvalue())["error"]["code"] == 404
+
+
+def test_streaming_and_one_shot_disagree_on_text_before_a_llama3_tool_call(llama3_stack: Stack) -> None:
+    """Documented vLLM 0.33 difference (Llama 3.1 + llama3_json): when text
+    precedes the JSON tool call, one-shot derender extracts the call
+    (``finish_reason: tool_calls``), while the streaming parser, which
+    only looks for a call at the start of the output, streams it all as
+    content (``finish_reason: stop``)."""
+    b = llama3_stack.builder
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = 'Checking now.\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    plan = StreamPlan(
+        request_id="text-then-tool",
+        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
+        request=b.chat_request(messages, tools=[WEATHER_TOOL], stream=True),
+        choices=[chunks_of(b.encode(text) + [b.family.eos_id], [1])],
+        usage=False,
+    )
+    streamed = assembled(llama3_stack, Endpoint.CHAT, [plan])[plan.request_id]["choices"][0]
+    whole = one_shot(llama3_stack, Endpoint.CHAT, plan)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] is None
+    assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert streamed["finish_reason"] == "stop"
+    assert "tool_calls" not in streamed["message"]
+    assert streamed["message"]["content"] == text
