@@ -11,28 +11,30 @@ import functools
 import inspect
 import os
 import sys
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from derender_core import (
     AssembledWriter,
+    DerenderEngine,
     DerenderError,
     Endpoint,
     InputError,
     Job,
     JsonlWriter,
     RenderConfig,
-    Report,
     RequestIndex,
     SseWriter,
     Writer,
     iter_records,
     open_input,
     open_output,
+    run,
 )
 
 from .progress import ProgressDisplay, print_summary
@@ -72,13 +74,13 @@ def _render_flag(name: str, kind: type, metavar: str, help_text: str) -> Any:
         )
     else:
         option = typer.Option(flag, metavar=metavar, help=help_text, rich_help_panel=RENDER_PANEL)
-    return Annotated[Optional[kind], option]  # type: ignore[valid-type]
+    return Annotated[kind | None, option]  # type: ignore[valid-type]
 
 
 # The render server's flags, each command takes them all; None means "not given".
 _RENDER_OPTIONS: dict[str, Any] = {
     "config": Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--config",
             metavar="FILE",
@@ -122,7 +124,7 @@ OutputOpt = Annotated[
     ),
 ]
 RequestsOpt = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(
         "--requests",
         metavar="FILE",
@@ -176,13 +178,11 @@ def _derender(
     input_path: str,
     output: str,
     job_endpoint: Endpoint,
-    requests_path: Optional[Path],
+    requests_path: Path | None,
     quiet: bool,
-    stream_format: Optional[OutputFormat] = None,
+    stream_format: OutputFormat | None = None,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it."""
-    from derender_core import DerenderEngine, run
-
     directory = _sse_directory(output, stream_format)
     with contextlib.ExitStack() as resources:
         source = resources.enter_context(open_input(input_path))
@@ -204,7 +204,7 @@ def _derender(
     return report.return_code
 
 
-def _sse_directory(output: str, stream_format: Optional[OutputFormat]) -> Optional[Path]:
+def _sse_directory(output: str, stream_format: OutputFormat | None) -> Path | None:
     """``-o DIR/`` (or an existing directory) asks for one file per request."""
     if output == "-" or not (output.endswith("/") or Path(output).is_dir()):
         return None
@@ -216,8 +216,8 @@ def _sse_directory(output: str, stream_format: Optional[OutputFormat]) -> Option
 @contextlib.contextmanager
 def _open_writer(
     output: str,
-    directory: Optional[Path],
-    stream_format: Optional[OutputFormat],
+    directory: Path | None,
+    stream_format: OutputFormat | None,
     endpoint: Endpoint,
     engine: Any,
 ) -> Iterator[Writer]:
@@ -350,7 +350,7 @@ def _main(
     """Turn generate output back into OpenAI responses, offline."""
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     app(args=argv, prog_name="derender")
 

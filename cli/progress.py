@@ -2,7 +2,6 @@
 
 import time
 from types import TracebackType
-from typing import Optional
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -17,7 +16,7 @@ class ProgressDisplay:
     """A spinner while the model loads, then a running count of records."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
-        self._progress: Optional[Progress] = None
+        self._progress: Progress | None = None
         if enabled and console.is_terminal:
             self._progress = Progress(
                 SpinnerColumn(),
@@ -36,9 +35,9 @@ class ProgressDisplay:
 
     def __exit__(
         self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        traceback: Optional[TracebackType],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
     ) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -19,9 +19,9 @@ from typing import Any
 
 import orjson
 import pytest
+from derender_cli.main import app
 from typer.testing import CliRunner
 
-from derender_cli.main import app
 from derender_core import DerenderEngine, Endpoint, RenderConfig
 from tests.conftest import Stack, sample_config
 from tests.helpers import (
@@ -146,7 +146,9 @@ def test_completion_sample_stdout_carries_only_the_servers_answers(cli: CliRunne
     answers = lines_of(result.stdout_bytes)
     assert normalize(answers) == normalize(server_answers(qwen3_stack, Endpoint.COMPLETION, SAMPLE / "completion.jsonl"))
     assert all(a["object"] == "text_completion" for a in answers)
-    assert "derender: 4 records, 0 errors" in result.stderr
+    # Not a terminal: no progress display, only the summary line.
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("derender: 4 records, 0 errors in ")
 
 
 def test_quiet_leaves_stderr_empty(cli: CliRunner) -> None:
@@ -197,7 +199,12 @@ def test_sse_to_a_directory(cli: CliRunner, tmp_path: Path) -> None:
 
 
 def test_assembled_completion_stream(cli: CliRunner, tmp_path: Path) -> None:
-    from tests.sample_inputs import completion_stream_plans, generate_chunks, interleave, stream_body
+    from tests.sample_inputs import (
+        completion_stream_plans,
+        generate_chunks,
+        interleave,
+        stream_body,
+    )
 
     plans = completion_stream_plans(cli_builder())
     by_id = {p.request_id: p for p in plans}

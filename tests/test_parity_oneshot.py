@@ -27,7 +27,7 @@ from tests.sample_inputs import (
 
 def assert_matches_server(stack: Stack, endpoint: Endpoint, lines: list[bytes]) -> list[Any]:
     answers, _ = jsonl_answers(stack.engine, Job(endpoint), lines)
-    for line, answer in zip(lines, answers):
+    for line, answer in zip(lines, answers, strict=True):
         response = stack.server.post_raw(endpoint, line)
         assert normalize(answer) == normalize(response.json()), line[:200]
         if response.status_code != 200:
@@ -125,7 +125,7 @@ def test_invalid_json_lines_match_server(stack: Stack) -> None:
     lines = [b'{"generate_response": ', b"{'single': 'quotes'}", b'{"a": 1} trailing', b"0\x000\x80"]
     answers, code = jsonl_answers(stack.engine, Job(Endpoint.CHAT), lines)
     assert code == 1
-    for line, answer in zip(lines, answers):
+    for line, answer in zip(lines, answers, strict=True):
         response = stack.server.post_raw(Endpoint.CHAT, line)
         assert response.status_code == 400
         assert answer == response.json()

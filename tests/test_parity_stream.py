@@ -33,7 +33,7 @@ def derender_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> tupl
 def assert_stream_matches_server(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> list[Any]:
     answers, _ = derender_stream(stack, endpoint, bodies)
     expected = server_stream_answers(stack.server, endpoint, bodies)
-    for number, (answer, (status, server_answer)) in enumerate(zip(answers, expected), start=1):
+    for number, (answer, (status, server_answer)) in enumerate(zip(answers, expected, strict=True), start=1):
         assert normalize(answer) == normalize(server_answer), f"call {number}"
         assert ("error" in answer) == (status != 200)
     return answers
