@@ -152,7 +152,6 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         try:
             config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
             config = config.overridden_by(flags)
-            config.check_paths()
             code = command(config=config, console=console, **kwargs)
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)

@@ -132,10 +132,10 @@ class SseWriter(_GroupedWriter[list[bytes]]):
             self._target.write(transcript)
             return
         assert self._directory is not None
-        # A request that shows up again after it completed appends a second
-        # transcript to its file rather than replacing the first.
-        path = self._directory / self._file_name(request_id)
-        with open(path, "ab") as sse_file:
+        # A file left by an earlier run is replaced; a request that shows up
+        # again after it completed in this run appends a second transcript.
+        mode = "ab" if request_id in self._file_names else "wb"
+        with open(self._directory / self._file_name(request_id), mode) as sse_file:
             sse_file.write(transcript)
 
     def _file_name(self, request_id: str | None) -> str:

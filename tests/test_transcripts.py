@@ -157,13 +157,16 @@ def test_sse_transcripts_golden(qwen3_stack: Stack) -> None:
 
 
 def test_sse_directory_holds_one_file_per_request(qwen3_stack: Stack, tmp_path: Path) -> None:
-    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(directory=tmp_path))
+    # Twice: a second run replaces the first run's files.
+    for _ in range(2):
+        run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(directory=tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
     together = io.BytesIO()
     run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=together))
     for path in tmp_path.iterdir():
         assert normalize_bytes(path.read_bytes()) in normalize_bytes(together.getvalue())
+        assert path.read_bytes().count(b"data: [DONE]\n\n") == 1
         assert path.read_bytes().endswith(b"data: [DONE]\n\n")
 
 
