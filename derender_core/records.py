@@ -20,6 +20,7 @@ import contextlib
 import gzip
 import io
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from .protocol import Endpoint
 
 GZIP_MAGIC = b"\x1f\x8b"
 _SSE_IGNORED_FIELDS = (b"event:", b"id:", b"retry:", b":")
+_LONG_DIGIT_RUN = re.compile(rb"\d{19}")
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,14 @@ def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
             return None
     elif text.startswith(_SSE_IGNORED_FIELDS):
         return None
-    try:
-        return orjson.loads(body), None
-    except orjson.JSONDecodeError:
-        pass
-    # Python's json accepts what orjson refuses (NaN, Infinity), as the
+    # orjson turns integers beyond 64 bits into floats; Python's json, the
+    # server's parser, keeps them exact, so such lines go to it.
+    if not _LONG_DIGIT_RUN.search(body):
+        try:
+            return orjson.loads(body), None
+        except orjson.JSONDecodeError:
+            pass
+    # Python's json also accepts what orjson refuses (NaN, Infinity), as the
     # server's parser does, and words its errors the way FastAPI reports them.
     try:
         return json.loads(body), None

@@ -73,6 +73,11 @@ def test_nan_and_infinity_are_read_as_the_server_reads_them() -> None:
     assert parse_line(b'{"logprob": -Infinity}') == ({"logprob": float("-inf")}, None)
 
 
+@given(st.integers(2**62, 2**80) | st.integers(-(2**80), -(2**62)))
+def test_big_integers_stay_exact_as_the_server_reads_them(number: int) -> None:
+    assert parse_line(b'{"token_ids": [%d]}' % number) == ({"token_ids": [number]}, None)
+
+
 @given(st.lists(st.one_of(json_values.map(lambda v: ("record", v)), st.sampled_from([("blank", b""), ("blank", b"  "), ("done", b"data: [DONE]")])), max_size=12))
 @settings(max_examples=60)
 def test_records_are_numbered_and_keep_their_line(items: list[tuple[str, Any]]) -> None:
