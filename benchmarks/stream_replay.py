@@ -25,9 +25,8 @@ from tests.sample_inputs import (  # noqa: E402
     SampleBuilder,
     StreamPlan,
     chunks_of,
-    generate_chunks,
     qwen3_family,
-    stream_body,
+    stream_bodies,
 )
 
 
@@ -58,7 +57,7 @@ def main() -> None:
     builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
     for tokens in args.tokens:
         plan = plan_of_length(builder, tokens)
-        bodies = [stream_body(plan, chunk, "qwen3-sample") for chunk in generate_chunks(plan)]
+        bodies = stream_bodies(builder, [plan])
         data = b"\n".join(orjson.dumps(body) for body in bodies)
         started = time.perf_counter()
         report = run(engine, iter_records(io.BytesIO(data)), Job(Endpoint.CHAT, stream=True), JsonlWriter(io.BytesIO()))

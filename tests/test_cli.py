@@ -33,6 +33,7 @@ from tests.helpers import (
     run_cli,
     server_stream_answers,
 )
+from tests.sample_inputs import SampleBuilder, completion_stream_plans, qwen3_family, stream_bodies
 
 SAMPLE_FLAGS = ["--config", "sample_data/qwen3.yaml"]
 
@@ -199,27 +200,13 @@ def test_sse_to_a_directory(cli: CliRunner, tmp_path: Path) -> None:
 
 
 def test_assembled_completion_stream(cli: CliRunner, tmp_path: Path) -> None:
-    from tests.sample_inputs import (
-        completion_stream_plans,
-        generate_chunks,
-        interleave,
-        stream_body,
-    )
-
-    plans = completion_stream_plans(cli_builder())
-    by_id = {p.request_id: p for p in plans}
-    bodies = [stream_body(by_id[c["request_id"]], c, "qwen3-sample") for c in interleave([generate_chunks(p) for p in plans])]
+    builder = SampleBuilder(qwen3_family(SAMPLE / "qwen3"))
+    bodies = stream_bodies(builder, completion_stream_plans(builder))
     stdin = b"".join(orjson.dumps(b) + b"\n" for b in bodies)
     result = invoke(cli, "stream", "-", "--endpoint", "completion", "--format", "assembled", *SAMPLE_FLAGS, stdin=stdin)
     assert result.exit_code == 0
     texts = {a["id"]: [c["text"] for c in a["choices"]] for a in lines_of(result.stdout_bytes)}
     assert texts["cmpl-stream-n2"] == [" red, violets are blue.", " fragrant and pretty."]
-
-
-def cli_builder() -> Any:
-    from tests.sample_inputs import SampleBuilder, qwen3_family
-
-    return SampleBuilder(qwen3_family(SAMPLE / "qwen3"))
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,7 @@ import orjson
 from derender_core import Endpoint, Job
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize, server_stream_answers
-from tests.sample_inputs import (
-    completion_stream_plans,
-    generate_chunks,
-    interleave,
-    stream_bodies,
-    stream_body,
-)
+from tests.sample_inputs import completion_stream_plans, stream_bodies
 
 
 def derender_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any]) -> tuple[list[Any], int]:
@@ -37,13 +31,6 @@ def assert_stream_matches_server(stack: Stack, endpoint: Endpoint, bodies: list[
         assert normalize(answer) == normalize(server_answer), f"call {number}"
         assert ("error" in answer) == (status != 200)
     return answers
-
-
-def completion_stream_bodies(stack: Stack) -> list[dict[str, Any]]:
-    plans = completion_stream_plans(stack.builder)
-    by_id = {plan.request_id: plan for plan in plans}
-    chunks = interleave([generate_chunks(plan) for plan in plans])
-    return [stream_body(by_id[c["request_id"]], c, stack.builder.family.served_name) for c in chunks]
 
 
 def text_per_request(answers: list[Any], field: str) -> dict[tuple[str, int], str]:
@@ -90,7 +77,7 @@ def test_chat_streams_match_server(stack: Stack) -> None:
 
 
 def test_completion_streams_match_server(stack: Stack) -> None:
-    bodies = completion_stream_bodies(stack)
+    bodies = stream_bodies(stack.builder, completion_stream_plans(stack.builder))
     answers = assert_stream_matches_server(stack, Endpoint.COMPLETION, bodies)
     assert all("error" not in answer for answer in answers)
     text = text_per_request(answers, "text")

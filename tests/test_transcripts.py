@@ -27,9 +27,8 @@ from tests.sample_inputs import (
     StreamPlan,
     chunks_of,
     completion_stream_plans,
-    generate_chunks,
-    interleave,
-    stream_body,
+    logprobs_for,
+    stream_bodies,
     stream_plans,
 )
 
@@ -50,12 +49,6 @@ def check_golden(name: str, data: bytes) -> None:
     assert normalize_bytes(data) == path.read_bytes()
 
 
-def plan_bodies(plans: list[StreamPlan], served_name: str) -> list[dict[str, Any]]:
-    by_id = {plan.request_id: plan for plan in plans}
-    chunks = interleave([generate_chunks(plan) for plan in plans])
-    return [stream_body(by_id[c["request_id"]], c, served_name) for c in chunks]
-
-
 def run_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any], writer: Any) -> None:
     run_lines(stack.engine, Job(endpoint, stream=True), [orjson.dumps(b) for b in bodies], writer)
 
@@ -63,7 +56,7 @@ def run_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any], writer: Any)
 def assembled(stack: Stack, endpoint: Endpoint, plans: list[StreamPlan]) -> dict[str, Any]:
     out = io.BytesIO()
     finish = stack.engine.chat_response if endpoint is Endpoint.CHAT else stack.engine.completion_response
-    bodies = plan_bodies(plans, stack.builder.family.served_name)
+    bodies = stream_bodies(stack.builder, plans)
     run_stream(stack, endpoint, bodies, AssembledWriter(out, endpoint, finish))
     return {json.loads(line)["id"]: json.loads(line) for line in out.getvalue().splitlines()}
 
@@ -75,8 +68,6 @@ def one_shot(stack: Stack, endpoint: Endpoint, plan: StreamPlan) -> dict[str, An
         ids = [t for chunk in chunks for t in chunk]
         choice: dict[str, Any] = {"index": index, "token_ids": ids, "finish_reason": plan.finish_reason}
         if plan.logprobs:
-            from tests.sample_inputs import logprobs_for
-
             choice["logprobs"] = logprobs_for(ids)
         choices.append(choice)
     request = {k: v for k, v in plan.request.items() if k not in ("stream", "stream_options")}
