@@ -324,8 +324,8 @@ def stream(
     stream_state is threaded per (request_id, choice index) unless a body
     carries its own.
     """
-    # Replay is the only mode: every call takes vLLM's own per-call path.
-    assert mode is StreamMode.replay
+    # `mode` needs no branch: replay, every call through vLLM's own per-call
+    # path, is the only mode.
     return _derender(
         config, console, input_path, output, endpoint, requests, quiet, stream_format=output_format
     )

@@ -245,13 +245,10 @@ class DerenderEngine:
                 http_exception_handler,
             )
 
-            response = self._run(
-                http_exception_handler(
-                    _HANDLER_REQUEST,
-                    HTTPException(status_code=400, detail="There was an error parsing the body"),
-                )
+            return self._handled(
+                http_exception_handler,
+                HTTPException(status_code=400, detail="There was an error parsing the body"),
             )
-            return Answer(response.status_code, bytes(response.body))
         return self._validation_answer(
             [
                 {
@@ -341,17 +338,18 @@ class DerenderEngine:
             validation_exception_handler,
         )
 
-        response = self._run(
-            validation_exception_handler(_HANDLER_REQUEST, RequestValidationError(errors))
-        )
-        return Answer(response.status_code, bytes(response.body))
+        return self._handled(validation_exception_handler, RequestValidationError(errors))
 
     def _exception_answer(self, exc: Exception) -> Answer:
         from vllm.entrypoints.serve.exception_handling.handlers.exception import (
             exception_handler,
         )
 
-        response = self._run(exception_handler(_HANDLER_REQUEST, exc))
+        return self._handled(exception_handler, exc)
+
+    def _handled(self, handler: Callable[[Any, Any], Coroutine[Any, Any, Any]], exc: Exception) -> Answer:
+        """The answer one of the app's exception handlers gives for `exc`."""
+        response = self._run(handler(_HANDLER_REQUEST, exc))
         return Answer(response.status_code, bytes(response.body))
 
 
