@@ -61,6 +61,7 @@ class OutputFormat(str, Enum):
 
 
 class StreamMode(str, Enum):
+    live = "live"
     replay = "replay"
 
 
@@ -180,6 +181,7 @@ def _derender(
     requests_path: Path | None,
     quiet: bool,
     stream_format: OutputFormat | None = None,
+    live: bool = False,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it."""
     directory = _sse_directory(output, stream_format)
@@ -191,7 +193,7 @@ def _derender(
             resources.callback(requests.close)
         progress = resources.enter_context(ProgressDisplay(console, enabled=not quiet))
         progress.loading(config.model or "")
-        engine = DerenderEngine.build(config)
+        engine = DerenderEngine.build(config, live=live)
         resources.callback(engine.close)
         job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
         writer = resources.enter_context(
@@ -303,10 +305,12 @@ def stream(
         StreamMode,
         typer.Option(
             "--mode",
-            help="replay: every call through vLLM's own per-call path, with the "
-            "stream_state threaded as a client carries it.",
+            help="live: each stream's parser kept between calls, O(n) per stream; "
+            "answers and states equal replay's. replay: every call through vLLM's "
+            "own per-call path, O(n) per call, for bug-for-bug reproduction of the "
+            "render server.",
         ),
-    ] = StreamMode.replay,
+    ] = StreamMode.live,
     endpoint: Annotated[
         Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")
     ] = Endpoint.CHAT,
@@ -324,10 +328,16 @@ def stream(
     stream_state is threaded per (request_id, choice index) unless a body
     carries its own.
     """
-    # `mode` needs no branch: replay, every call through vLLM's own per-call
-    # path, is the only mode.
     return _derender(
-        config, console, input_path, output, endpoint, requests, quiet, stream_format=output_format
+        config,
+        console,
+        input_path,
+        output,
+        endpoint,
+        requests,
+        quiet,
+        stream_format=output_format,
+        live=mode is StreamMode.live,
     )
 
 

@@ -3,13 +3,13 @@
 Importing this package does not import vLLM; `DerenderEngine.build` does.
 """
 
-from .batch import Failure, Job, Report, run
+from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
 from .config import RenderConfig
-from .engine import DerenderEngine
 from .errors import ConfigError, DerenderError, InputError, RecordError
-from .protocol import Answer, Endpoint
+from .protocol import Answer, Derenderer, Endpoint, StreamAnswer
 from .records import Record, RequestIndex, iter_records, open_input, open_output
 from .streams import ChunkFacts, StreamLedger
+from .vllm_seam.render import DerenderEngine
 from .writers import AssembledWriter, JsonlWriter, SseWriter, Writer
 
 __all__ = [
@@ -18,18 +18,22 @@ __all__ = [
     "ChunkFacts",
     "ConfigError",
     "DerenderEngine",
+    "Derenderer",
     "DerenderError",
     "Endpoint",
     "Failure",
     "InputError",
     "Job",
     "JsonlWriter",
+    "Outcome",
     "Record",
+    "RecordProcessor",
     "RecordError",
     "RenderConfig",
     "Report",
     "RequestIndex",
     "SseWriter",
+    "StreamAnswer",
     "StreamLedger",
     "Writer",
     "iter_records",

@@ -10,16 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .errors import RecordError
-from .protocol import Answer, Endpoint
+from .protocol import Answer, Derenderer, Endpoint
 from .records import Record, RequestIndex, derender_body
 from .streams import ChunkFacts, StreamLedger
 from .writers import Writer
-
-if TYPE_CHECKING:
-    from .engine import DerenderEngine
 
 FAILURES_KEPT = 20
 """How many failed records the report keeps, for the summary."""
@@ -71,8 +67,46 @@ class Job:
     requests: RequestIndex | None = None
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one record came to: its answer, and for a streamed call the
+    facts of its chunk and whether it completed its request's stream."""
+
+    answer: Answer
+    facts: ChunkFacts | None = None
+    completed: bool = False
+
+
+class RecordProcessor:
+    """Turns records into outcomes, one at a time, in order.
+
+    It holds the path and, for streams, the ledger that threads their
+    states, so it is the unit of work a worker runs: every call of a stream
+    must go through the same processor, in input order.
+    """
+
+    def __init__(self, engine: Derenderer, job: Job) -> None:
+        self.engine = engine
+        self.job = job
+        self.ledger = StreamLedger()
+
+    def process(self, record: Record) -> Outcome:
+        engine, job = self.engine, self.job
+        if record.problem is not None:
+            return Outcome(engine.invalid_json(record.problem.message, record.problem.position))
+        try:
+            body = derender_body(record.payload, job.endpoint, stream=job.stream, requests=job.requests)
+        except RecordError as exc:
+            return Outcome(engine.bad_request(str(exc)))
+        if not job.stream:
+            return Outcome(engine.post(job.endpoint, body))
+        facts = ChunkFacts.of(body, job.endpoint)
+        answer = engine.post(job.endpoint, self.ledger.with_state(body, facts))
+        return Outcome(answer, facts, self.ledger.settle(facts, answer))
+
+
 def run(
-    engine: DerenderEngine,
+    engine: Derenderer,
     records: Iterable[Record],
     job: Job,
     writer: Writer,
@@ -80,32 +114,15 @@ def run(
 ) -> Report:
     """Derender every record and hand each answer to `writer`, in order."""
     report = Report()
-    ledger = StreamLedger()
+    processor = RecordProcessor(engine, job)
     started = time.perf_counter()
     for record in records:
-        facts: ChunkFacts | None = None
-        completed = False
-        if record.problem is not None:
-            answer = engine.invalid_json(record.problem.message, record.problem.position)
-        else:
-            try:
-                body = derender_body(
-                    record.payload, job.endpoint, stream=job.stream, requests=job.requests
-                )
-            except RecordError as exc:
-                answer = engine.bad_request(str(exc))
-            else:
-                if job.stream:
-                    facts = ChunkFacts.of(body, job.endpoint)
-                    body = ledger.with_state(body, facts)
-                answer = engine.post(job.endpoint, body)
-                if facts is not None:
-                    completed = ledger.settle(facts, answer)
-        writer.add(answer, facts)
-        if completed:
-            assert facts is not None
-            writer.complete(facts.request_id)
-        report.count(record, answer)
+        outcome = processor.process(record)
+        writer.add(outcome.answer, outcome.facts)
+        if outcome.completed:
+            assert outcome.facts is not None
+            writer.complete(outcome.facts.request_id)
+        report.count(record, outcome.answer)
         report.elapsed = time.perf_counter() - started
         if on_progress is not None:
             on_progress(report)

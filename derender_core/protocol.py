@@ -1,16 +1,18 @@
-"""Plain types shared by every layer: which endpoint, and what it answered.
+"""The contract every path answers to: which endpoint, and what it answered.
 
-The engine behaves like the render server's HTTP endpoints: a JSON body goes
-in, a status and a JSON body come out. Keeping that shape means a record's
-output is exactly what ``POST`` to ``vllm launch render`` would have returned.
+Every path that derenders (replay and live on the render endpoints, the serve
+path) behaves like an HTTP endpoint: a JSON body goes in, a status and the
+exact bytes of a JSON body come out. Batch execution, workers and the CLI
+only ever see `Derenderer` and `Answer`, so they never branch on the path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Mapping
 from enum import Enum
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -34,17 +36,17 @@ class Endpoint(str, Enum):
         return "chat_request" if self is Endpoint.CHAT else "completion_request"
 
 
-@dataclass(frozen=True)
 class Answer:
     """What the endpoint answered: HTTP status and the JSON body's bytes,
     exactly as the server would send them."""
 
-    status: int
-    raw: bytes
+    def __init__(self, status: int, raw: bytes) -> None:
+        self.status = status
+        self.raw = raw
 
     @cached_property
     def body(self) -> dict[str, Any]:
-        return orjson.loads(self.raw)
+        return orjson.loads(self.raw)  # type: ignore[no-any-return]
 
     @property
     def ok(self) -> bool:
@@ -55,4 +57,114 @@ class Answer:
         """The error's message, or "" for a successful answer."""
         if self.ok:
             return ""
-        return str(self.body.get("error", {}).get("message", ""))
+        error = self.body.get("error")
+        return str(error.get("message", "")) if isinstance(error, Mapping) else ""
+
+    @property
+    def is_stream_answer(self) -> bool:
+        """A successful answer to a streaming call: ``{chunk, stream_state}``."""
+        return self.ok and "chunk" in self.body and "stream_state" in self.body
+
+    @property
+    def chunk(self) -> dict[str, Any]:
+        """The derendered stream chunk of a successful streaming answer."""
+        return self.body["chunk"]  # type: ignore[no-any-return]
+
+    @cached_property
+    def chunk_raw(self) -> bytes:
+        """The chunk's bytes as the endpoint wrote them."""
+        return render_json(self.chunk)
+
+    @property
+    def stream_state(self) -> Any:
+        """The state a client carries into the next call of the stream."""
+        return self.body["stream_state"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Answer):
+            return NotImplemented
+        return (self.status, self.raw) == (other.status, other.raw)
+
+    def __hash__(self) -> int:
+        return hash((self.status, self.raw))
+
+    def __repr__(self) -> str:
+        return f"Answer({self.status}, {self.raw[:80]!r}...)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Across processes an answer travels as what the server sent.
+        return (Answer, (self.status, self.raw))
+
+
+class StreamAnswer(Answer):
+    """A successful streaming answer, kept as its parts.
+
+    The chunk's bytes are made at once (serialising it can fail, as it can
+    on the server); the state stays an object, carried to the next call as
+    is, and is serialised only when the whole answer's bytes are read. SSE
+    and assembled output never read them, so a stream whose state grows with
+    its length costs O(1) per call there.
+    """
+
+    def __init__(
+        self,
+        chunk: dict[str, Any],
+        chunk_raw: bytes,
+        state: Any,
+        dump_state: Callable[[Any], Any],
+    ) -> None:
+        # No call to Answer.__init__: `raw` is built on demand.
+        self.status = 200
+        self._chunk = chunk
+        self.__dict__["chunk_raw"] = chunk_raw
+        self._state = state
+        self._dump_state = dump_state
+
+    @property
+    def is_stream_answer(self) -> bool:
+        return True
+
+    @property
+    def chunk(self) -> dict[str, Any]:
+        return self._chunk
+
+    @property
+    def stream_state(self) -> Any:
+        return self._state
+
+    @cached_property
+    def raw(self) -> bytes:
+        # The handlers' JSONResponse over {"chunk", "stream_state"}, in parts.
+        return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + render_json(self._dump_state(self._state)) + b"}"
+
+
+def render_json(content: Any) -> bytes:
+    """Serialise as Starlette's ``JSONResponse.render`` does, so the bytes
+    are the server's (and non-finite floats fail as they fail there)."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+class Derenderer(Protocol):
+    """One path's answers to derender calls, as an HTTP endpoint gives them."""
+
+    startup_seconds: float
+
+    def post(self, endpoint: Endpoint, body: Any) -> Answer:
+        """Answer one call as ``POST endpoint.path`` would."""
+
+    def invalid_json(self, message: str, position: int | None) -> Answer:
+        """The answer to a body that is not JSON."""
+
+    def bad_request(self, message: str) -> Answer:
+        """A 400 in the server's error shape, for problems found before the call."""
+
+    def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A full chat response from assembled fields, vLLM's defaults for the rest."""
+
+    def completion_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A full completion response from assembled fields."""
+
+    def close(self) -> None:
+        """Release what the path holds."""

@@ -130,7 +130,7 @@ class StreamLedger:
         if facts.index is not None:
             stream.last_index = facts.index
             if answer.ok:
-                stream.states[facts.index] = answer.body["stream_state"]
+                stream.states[facts.index] = answer.stream_state
             if facts.finished:
                 stream.finished.add(facts.index)
         if facts.usage_only:

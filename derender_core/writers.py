@@ -123,7 +123,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         return []
 
     def _take(self, group: list[bytes], answer: Answer) -> None:
-        data = _dump(answer.body["chunk"]) if answer.ok else answer.raw
+        data = answer.chunk_raw if answer.ok else answer.raw
         group.append(b"data: " + data + b"\n\n")
 
     def _emit(self, request_id: str | None, group: list[bytes]) -> None:
@@ -203,7 +203,7 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
         if not answer.ok:
             group.error = group.error or answer.raw
             return
-        chunk = answer.body["chunk"]
+        chunk = answer.chunk
         group.first_chunk = group.first_chunk or chunk
         if chunk.get("usage") is not None:
             group.usage = chunk["usage"]

@@ -459,6 +459,66 @@ def stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     return [tool_call, n2, speculative]
 
 
+def parser_corner_plans(b: SampleBuilder) -> list[StreamPlan]:
+    """Streams for the parser path's corners: hidden reasoning, "required"
+    and named tool choice, two tool calls, and a tool call cut at `length`,
+    in several chunkings."""
+    eos = [b.family.eos_id]
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    tools = [WEATHER_TOOL]
+    messages = [{"role": "user", "content": "What's the weather in Paris and in Rome?"}]
+    prompt = b.prompt_ids(messages, tools)
+    call = b.answer("Checking.\n", reasoning="Paris first.", tool=("get_weather", {"city": "Paris"}))
+    second = b.family.tool_call.format(
+        name="get_weather", arguments=json.dumps({"city": "Rome"}), city="Rome"
+    )
+    request = b.chat_request(messages, tools=tools, tool_choice="auto", **usage)
+    hidden = StreamPlan(
+        request_id="stream-hidden-reasoning",
+        prompt=prompt,
+        request={**request, "include_reasoning": False, "logprobs": True, "top_logprobs": 1},
+        choices=[chunks_of(b.encode(call) + eos, [1, 2])],
+        logprobs=True,
+    )
+    two_calls = StreamPlan(
+        request_id="stream-two-tool-calls",
+        prompt=prompt,
+        request=request,
+        choices=[chunks_of(b.encode(call + "\n" + second) + eos, [3, 1])],
+    )
+    cut_ids = b.encode(call)
+    cut = StreamPlan(
+        request_id="stream-tool-call-cut-at-length",
+        prompt=prompt,
+        request={**request, "max_tokens": len(cut_ids) - 4},
+        choices=[chunks_of(cut_ids[:-4], [2])],
+        finish_reason="length",
+    )
+    reasoning = b.answer("", reasoning="The tool must be called.")
+    required = StreamPlan(
+        request_id="stream-tool-choice-required",
+        prompt=prompt,
+        request={**request, "tool_choice": "required"},
+        choices=[
+            chunks_of(
+                b.encode(reasoning + '[{"name": "get_weather", "parameters": {"city": "Paris"}}]') + eos,
+                [1],
+            )
+        ],
+        finish_only_tail=True,
+    )
+    named = StreamPlan(
+        request_id="stream-tool-choice-named",
+        prompt=prompt,
+        request={
+            **request,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        choices=[chunks_of(b.encode(reasoning + '{"city": "Rome"}') + eos, [2, 1, 3])],
+    )
+    return [hidden, two_calls, cut, required, named]
+
+
 def completion_stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     name = b.family.served_name

@@ -1,0 +1,11 @@
+"""The seam to vLLM: every module that imports vLLM lives here.
+
+One module per vLLM surface this project drives:
+
+- `stack`: vLLM's argument parser and the stack `vllm launch render` builds;
+- `render`: the render server's derender endpoints (replay and live);
+- `live`: the streaming chat derender with its parser kept between calls.
+
+A vLLM upgrade is reviewed here and nowhere else. Importing this package
+does not import vLLM: each module imports it when a path is built.
+"""

@@ -1,0 +1,346 @@
+"""The render server's derender endpoints, in process: replay and live.
+
+`DerenderEngine.post` does what the endpoint handlers in
+``vllm/entrypoints/scale_out/derender/api_router.py`` do, including
+FastAPI's body validation and vLLM's exception handlers, and returns the
+HTTP status and the exact JSON body the server would send.
+
+Replay (the server's own per-call path) and live streaming (`live.py`, parser
+state kept between calls) share everything here; they differ only in the
+``OnlineDerenderer`` behind ``ServingDerender``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Mapping
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..config import RenderConfig
+from ..errors import ConfigError
+from ..protocol import Answer, Endpoint, StreamAnswer, render_json
+from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
+
+_T = TypeVar("_T")
+
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
+
+REQUESTS_KEPT = 4096
+"""Validated stream requests kept for reuse in live mode (one per stream)."""
+
+
+class DerenderEngine:
+    """One render server's derender endpoints, in process.
+
+    With ``live=True`` the chat streams of a parser-configured model keep
+    their parser between calls (`live.LiveDerenderer`) and a stream's
+    unchanged request is validated once; every answer, and every state, is
+    still the one the server's replay path gives. `in_mode` gives the other
+    mode over the same stack, without a second start-up.
+    """
+
+    def __init__(self, serving: Any, startup_seconds: float, *, live: bool = False) -> None:
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderChatRequestUnion,
+            DerenderCompletionRequestUnion,
+        )
+
+        self._serving = serving
+        self.startup_seconds = startup_seconds
+        self.live = live
+        self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
+            Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
+            Endpoint.COMPLETION: _body_adapter(DerenderCompletionRequestUnion),
+        }
+        # One loop for the engine and its `in_mode` copies, across calls like
+        # the server's.
+        self._loop = asyncio.new_event_loop()
+        # request_id -> (raw request, raw prompt ids, validated request, validated ids)
+        self._stream_requests: OrderedDict[str, tuple[Any, Any, Any, Any]] = OrderedDict()
+
+    @classmethod
+    def build(cls, config: RenderConfig, *, live: bool = False) -> DerenderEngine:
+        """Build the stack from a local model directory, as the server does.
+
+        Raises:
+            ConfigError: for a bad setting, with the valid choices where
+                there is a fixed set.
+
+        """
+        started = time.perf_counter()
+        config.check_paths()
+        quiet_startup = prepare_environment()
+
+        args = server_args(config)
+        try:
+            from .live import LiveDerenderer
+
+            serving = derender_stack(args, LiveDerenderer)
+        except Exception as exc:
+            # Whatever stops vLLM's stack from starting stops the server
+            # too: a configuration problem, reported without a traceback.
+            raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
+        if quiet_startup:
+            show_warnings_from_now_on()
+        return cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+
+    def in_mode(self, *, live: bool) -> DerenderEngine:
+        """This engine in live or replay mode, sharing the stack."""
+        other = copy.copy(self)
+        other.live = live
+        return other
+
+    def post(self, endpoint: Endpoint, body: Any) -> Answer:
+        """Answer one derender call as ``POST endpoint.path`` would."""
+        from pydantic import ValidationError
+
+        self._serving.online_derenderer.live = self.live
+
+        if body is None:  # FastAPI reports a null body as missing
+            return self._validation_answer(
+                [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+            )
+        request = self._known_stream_request(endpoint, body) if self.live else None
+        if request is None:
+            try:
+                request = self._bodies[endpoint].validate_python(
+                    _materialized(body), from_attributes=True
+                )
+            except ValidationError as exc:
+                # FastAPI reports body errors under a leading "body" location.
+                errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+                return self._validation_answer(errors)
+            if self.live:
+                self._remember_stream_request(endpoint, body, request)
+        try:
+            return self._run(self._dispatch(endpoint, request))
+        except Exception as exc:  # the app's catch-all handlers, in order
+            return self._exception_answer(exc)
+
+    def _known_stream_request(self, endpoint: Endpoint, body: Any) -> Any:
+        """A streaming body whose request and prompt are those of an earlier
+        call of its stream: validate only the rest and reuse the validated
+        request, so a live stream's parser sees the very same request
+        object. None when that does not apply or the rest does not
+        validate (full validation then words the errors)."""
+        from pydantic import ValidationError
+
+        if not isinstance(body, Mapping) or body.get("stream") is not True:
+            return None
+        chunk = body.get("generate_chunk")
+        request_id = chunk.get("request_id") if isinstance(chunk, Mapping) else None
+        known = self._stream_requests.get(request_id) if isinstance(request_id, str) else None
+        if known is None:
+            return None
+        raw_request, raw_prompt, request_model, prompt_ids = known
+        key = endpoint.request_key
+        if body.get(key) != raw_request or body.get("prompt_token_ids") != raw_prompt:
+            return None
+        state = body.get("stream_state")
+        rest = {k: v for k, v in body.items() if k not in (key, "prompt_token_ids", "stream_state")}
+        if state is not None and not _is_state_object(state):
+            rest["stream_state"] = state
+        try:
+            request = self._bodies[endpoint].validate_python(rest, from_attributes=True)
+        except ValidationError:
+            return None
+        if not getattr(request, "stream", False):
+            return None
+        setattr(request, key, request_model)
+        request.prompt_token_ids = prompt_ids
+        if state is not None and _is_state_object(state):
+            request.stream_state = state
+        self._stream_requests.move_to_end(request_id)  # type: ignore[arg-type]
+        return request
+
+    def _remember_stream_request(self, endpoint: Endpoint, body: Any, request: Any) -> None:
+        key = endpoint.request_key
+        if not getattr(request, "stream", False) or getattr(request, key) is None:
+            return
+        request_id = request.generate_chunk.request_id
+        self._stream_requests[request_id] = (
+            body.get(key),
+            body.get("prompt_token_ids"),
+            getattr(request, key),
+            request.prompt_token_ids,
+        )
+        self._stream_requests.move_to_end(request_id)
+        if len(self._stream_requests) > REQUESTS_KEPT:
+            self._stream_requests.popitem(last=False)
+
+    def invalid_json(self, message: str, position: int | None) -> Answer:
+        """The answer to a body that is not JSON, as FastAPI words it; a
+        body that is not even text (position None) gets its generic 400."""
+        if position is None:
+            from fastapi import HTTPException
+            from vllm.entrypoints.serve.exception_handling.handlers.http import (
+                http_exception_handler,
+            )
+
+            return self._handled(
+                http_exception_handler,
+                HTTPException(status_code=400, detail="There was an error parsing the body"),
+            )
+        return self._validation_answer(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", position),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": message},
+                }
+            ]
+        )
+
+    def bad_request(self, message: str) -> Answer:
+        """A 400 in the server's error shape, for problems found before the
+        call (a chunk whose request is unknown, say)."""
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        return _json_answer(create_error_response(message).model_dump(), 400)
+
+    def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A full ``ChatCompletionResponse`` from assembled fields, with
+        vLLM's defaults for the rest, so it lines up with a one-shot answer."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+
+        return ChatCompletionResponse.model_validate(fields).model_dump()
+
+    def completion_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A full ``CompletionResponse`` from assembled fields."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+
+        return CompletionResponse.model_validate(fields).model_dump()
+
+    def close(self) -> None:
+        """Close the event loop; the engine opens a new one if used again."""
+        self._loop.close()
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run a handler coroutine on the engine's event loop."""
+        if self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coroutine)
+
+    async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
+        """The body of the api_router handlers for the derender paths."""
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderChatStreamRequest,
+            DerenderCompletionStreamRequest,
+        )
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        handlers: dict[type, Callable[[Any], Any]] = {
+            DerenderChatStreamRequest: self._serving.derender_chat_stream_response,
+            DerenderCompletionStreamRequest: self._serving.derender_completion_stream_response,
+        }
+        if type(request) in handlers:
+            result = await handlers[type(request)](request)
+            if isinstance(result, ErrorResponse):
+                return _json_answer(result.model_dump(), result.error.code)
+            chunk, stream_state = result
+            return _stream_answer(chunk.model_dump(), stream_state)
+
+        if endpoint is Endpoint.CHAT:
+            result = await self._serving.derender_chat_response(request)
+        else:
+            result = await self._serving.derender_completion_response(request)
+        if isinstance(result, ErrorResponse):
+            return _json_answer(result.model_dump(), result.error.code)
+        return _json_answer(result.model_dump())
+
+    def _validation_answer(self, errors: list[dict[str, Any]]) -> Answer:
+        from fastapi.exceptions import RequestValidationError
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+            validation_exception_handler,
+        )
+
+        return self._handled(validation_exception_handler, RequestValidationError(errors))
+
+    def _exception_answer(self, exc: Exception) -> Answer:
+        from vllm.entrypoints.serve.exception_handling.handlers.exception import (
+            exception_handler,
+        )
+
+        return self._handled(exception_handler, exc)
+
+    def _handled(self, handler: Callable[[Any, Any], Coroutine[Any, Any, Any]], exc: Exception) -> Answer:
+        """The answer one of the app's exception handlers gives for `exc`."""
+        response = self._run(handler(_HANDLER_REQUEST, exc))
+        return Answer(response.status_code, bytes(response.body))
+
+
+# vLLM's exception handlers read only ``request.app.state.args.log_error_stack``
+# (and the request id when that is set), so this stands in for the request.
+_HANDLER_REQUEST: Any = SimpleNamespace(
+    app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))),
+    state=SimpleNamespace(),
+)
+
+
+def _body_adapter(union: Any) -> TypeAdapter[Any]:
+    """Validate a body the way FastAPI validates the handlers' body
+    parameter: a TypeAdapter over the annotation, from Python objects."""
+    from typing import Annotated
+
+    from fastapi import Body
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(Annotated[union, Body()])
+
+
+def _json_answer(content: Any, status: int = 200) -> Answer:
+    """Serialize as the handlers' ``JSONResponse(content=...)`` does, so the
+    bytes, and the failures on non-finite floats, match the server's."""
+    from fastapi.responses import JSONResponse
+
+    try:
+        return Answer(status, bytes(JSONResponse(content=content, status_code=status).body))
+    except ValueError as exc:
+        return _unserialisable(exc)
+
+
+def _unserialisable(exc: ValueError) -> Answer:
+    """What the app's ValueError handler answers when the response cannot
+    be serialised (a non-finite float, say)."""
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    error = create_error_response(exc)
+    return Answer(error.error.code, bytes(JSONResponse(content=error.model_dump()).body))
+
+
+def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
+    """A successful streaming answer: the chunk serialised now (it can fail,
+    as on the server), the state kept as the object vLLM returned."""
+    try:
+        chunk_raw = render_json(chunk)
+    except ValueError as exc:
+        return _unserialisable(exc)
+    return StreamAnswer(chunk, chunk_raw, state, _dump_state)
+
+
+def _dump_state(state: Any) -> Any:
+    return state.model_dump()
+
+
+def _is_state_object(state: Any) -> bool:
+    """A state carried as the object an earlier answer returned (vLLM's
+    state model, or a live state), rather than as JSON."""
+    return hasattr(state, "model_dump")
+
+
+def _materialized(body: Any) -> Any:
+    """The body with a live state turned into vLLM's state model, for full
+    validation (a live state's history is not kept as a list)."""
+    if isinstance(body, Mapping) and hasattr(body.get("stream_state"), "to_model"):
+        return {**body, "stream_state": body["stream_state"].to_model()}
+    return body
