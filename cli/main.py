@@ -341,6 +341,43 @@ def stream(
     )
 
 
+class ParsersFormat(str, Enum):
+    markdown = "markdown"
+    jsonl = "jsonl"
+
+
+@app.command()
+def parsers(
+    output_format: Annotated[
+        ParsersFormat,
+        typer.Option(
+            "--format",
+            help="markdown: the README's coverage table. jsonl: one JSON object per parser.",
+        ),
+    ] = ParsersFormat.markdown,
+) -> None:
+    """List vLLM's registered tool and reasoning parsers and what the test
+    suite proves for each.
+
+    Per parser: the model families it is tested on against a real render
+    server (one-shot, streaming, live), the vLLM misbehaviour pinned by a
+    test, and what it does with a plain answer on the bundled Qwen3 sample
+    (whether it at least loads and passes text through). Parsers registered
+    by this vLLM but not in the recorded data show as "not probed".
+    """
+    import json
+
+    from derender_core.coverage import markdown_table, table_rows
+    from derender_core.vllm_seam.stack import registered_parsers
+
+    rows = table_rows(registered_parsers())
+    if output_format is ParsersFormat.jsonl:
+        for row in rows:
+            typer.echo(json.dumps(row, ensure_ascii=False))
+    else:
+        typer.echo(markdown_table(rows))
+
+
 def version_callback(value: bool) -> None:
     if value:
         from importlib.metadata import version

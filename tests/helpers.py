@@ -38,16 +38,32 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data"
 
 _TOOL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+# xLAM's ids: call_<index>_<16 random hex digits>.
+_XLAM_TOOL_ID = re.compile(r"(call_\d+_)[0-9a-f]{16}")
+# Mistral's ids: 9 random letters and digits, in a tool call's "id" or a
+# stream state's last_tool_call_ids.
+_MISTRAL_TOOL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 def normalize(value: Any) -> Any:
     """Blank `created` and the random tool-call ids, everywhere."""
     if isinstance(value, dict):
-        return {k: (0 if k == "created" else normalize(v)) for k, v in value.items()}
+        normalized = {k: 0 if k == "created" else normalize(v) for k, v in value.items()}
+        if value.get("type") == "function" and "id" in value:
+            normalized["id"] = _mistral_id(normalized["id"])
+        if isinstance(value.get("last_tool_call_ids"), list):
+            normalized["last_tool_call_ids"] = [_mistral_id(v) for v in normalized["last_tool_call_ids"]]
+        return normalized
     if isinstance(value, list):
         return [normalize(v) for v in value]
     if isinstance(value, str):
-        return _TOOL_ID.sub("chatcmpl-tool-<id>", value)
+        return _XLAM_TOOL_ID.sub(r"\1<id>", _TOOL_ID.sub("chatcmpl-tool-<id>", value))
+    return value
+
+
+def _mistral_id(value: Any) -> Any:
+    if isinstance(value, str) and _MISTRAL_TOOL_ID.fullmatch(value):
+        return "<mistral-id>"
     return value
 
 
@@ -81,10 +97,44 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Where the tokenizer libraries look for downloaded files, and the proxy
+# variables every HTTP client honours.
+CACHE_VARIABLES = (
+    "HF_HOME", "HF_HUB_CACHE", "HF_XET_CACHE", "XDG_CACHE_HOME",
+    "TIKTOKEN_CACHE_DIR", "TIKTOKEN_RS_CACHE_DIR", "DATA_GYM_CACHE_DIR",
+)  # fmt: skip
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+def empty_cache_env(cache_dir: Path) -> dict[str, str]:
+    """`offline_env` with every tokenizer cache pointed at an empty
+    directory and every download sent to a closed port, so a process that
+    needs anything it was not given fails instead of finding it cached or
+    fetching it."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if any(cache_dir.iterdir()):
+        raise RuntimeError(f"{cache_dir} is not empty")
+    env = offline_env(**dict.fromkeys(CACHE_VARIABLES, str(cache_dir)))
+    env.update(dict.fromkeys(PROXY_VARIABLES, "http://127.0.0.1:9"))
+    env.pop("NO_PROXY", None)
+    env.pop("no_proxy", None)
+    env.pop("TIKTOKEN_ENCODINGS_BASE", None)
+    return env
+
+
 class RenderServer:
     """A real `vllm launch render` process, started and stopped by tests."""
 
-    def __init__(self, config: RenderConfig, log_path: Path) -> None:
+    def __init__(
+        self,
+        config: RenderConfig,
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
+        """Start the server; with ``wait=False`` the caller does other work
+        (building an engine, say) and calls `wait_until_ready` later."""
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -96,12 +146,13 @@ class RenderServer:
         ]  # fmt: skip
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=offline_env()
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env or offline_env()
         )
         self.client = httpx.Client(base_url=self.url, timeout=120)
-        self._wait_until_ready()
+        if wait:
+            self.wait_until_ready()
 
-    def _wait_until_ready(self, timeout: float = 300.0) -> None:
+    def wait_until_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

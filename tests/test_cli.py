@@ -87,7 +87,7 @@ def test_help_never_imports_vllm() -> None:
     probe = (
         "import sys\n"
         "from derender_cli.main import main\n"
-        "for argv in (['--help'], ['chat', '--help'], ['stream', '--help']):\n"
+        "for argv in (['--help'], ['chat', '--help'], ['stream', '--help'], ['parsers', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit as exit:\n"

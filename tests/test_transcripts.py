@@ -27,7 +27,7 @@ from tests.sample_inputs import (
     StreamPlan,
     chunks_of,
     completion_stream_plans,
-    logprobs_for,
+    one_shot_body,
     stream_bodies,
     stream_plans,
 )
@@ -63,33 +63,7 @@ def assembled(stack: Stack, endpoint: Endpoint, plans: list[StreamPlan]) -> dict
 
 def one_shot(stack: Stack, endpoint: Endpoint, plan: StreamPlan) -> dict[str, Any]:
     """The same tokens, derendered in one call."""
-    choices = []
-    for index, chunks in enumerate(plan.choices):
-        ids = [t for chunk in chunks for t in chunk]
-        choice: dict[str, Any] = {"index": index, "token_ids": ids, "finish_reason": plan.finish_reason}
-        if plan.logprobs:
-            choice["logprobs"] = logprobs_for(ids)
-        choices.append(choice)
-    request = {k: v for k, v in plan.request.items() if k not in ("stream", "stream_options")}
-    response = {"request_id": plan.request_id, "choices": choices}
-    name = stack.builder.family.served_name
-    if endpoint is Endpoint.CHAT:
-        body = {
-            "model": name,
-            "generate_response": response,
-            "prompt_token_ids": plan.prompt,
-            "prompt_tokens": len(plan.prompt),
-            "chat_request": request,
-        }
-    else:
-        body = {
-            "model": name,
-            "generate_responses": [response],
-            "prompt_token_ids": [plan.prompt],
-            "prompt_tokens": [len(plan.prompt)],
-            "completion_request": request,
-        }
-    answer = stack.engine.post(endpoint, body)
+    answer = stack.engine.post(endpoint, one_shot_body(plan, stack.builder.family.served_name))
     assert answer.ok, answer.raw
     return answer.body
 
@@ -106,9 +80,7 @@ def test_assembled_equals_one_shot(stack: Stack, endpoint: Endpoint) -> None:
 def _two_tool_calls_plan(b: SampleBuilder) -> StreamPlan:
     messages = [{"role": "user", "content": "Weather in Rome and Oslo?"}]
     text = b.answer("", reasoning="Two cities, two calls.", tool=("get_weather", {"city": "Rome"}))
-    text += "\n" + b.family.tool_call.format(
-        name="get_weather", arguments=json.dumps({"city": "Oslo"}), city="Oslo"
-    )
+    text += "\n" + b.tool_call_text("get_weather", {"city": "Oslo"}, index=1)
     return StreamPlan(
         request_id="two-tools",
         prompt=b.prompt_ids(messages, [WEATHER_TOOL]),

@@ -107,13 +107,32 @@ def _check_choices(args: Namespace) -> None:
             )
 
 
-def derender_stack(args: Namespace, derenderer_class: type | None = None) -> Any:
+def registered_parsers() -> list[tuple[str, str]]:
+    """(kind, name) of every tool and reasoning parser vLLM registers."""
+    prepare_environment()
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(
+        [("tool", name) for name in ToolParserManager.list_registered()]
+        + [("reasoning", name) for name in ReasoningParserManager.list_registered()]
+    )
+
+
+def derender_stack(
+    args: Namespace, derenderer_class: type | None = None, *, renderer: Any | None = None
+) -> Any:
     """`init_render_app_state`'s derender half: the served names, the
     renderer and ``OnlineDerenderer``, behind ``ServingDerender``.
 
     `derenderer_class` replaces ``OnlineDerenderer`` with a subclass (live
     streaming keeps parser state across calls); it is built with the same
     arguments.
+
+    `renderer` reuses the renderer (and its model config) of a stack built
+    earlier for the same model without parser flags: they do not depend on
+    the parsers, and loading them is most of the start-up, so trying every
+    registered parser on one tokenizer costs one load.
     """
     from vllm import AsyncEngineArgs, envs
     from vllm.config import VllmConfig
@@ -125,18 +144,23 @@ def derender_stack(args: Namespace, derenderer_class: type | None = None) -> Any
     from vllm.renderers.chat_utils import load_chat_template
     from vllm.renderers.online_derenderer import OnlineDerenderer
 
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    model_config = engine_args.create_model_config()
-    # As the render server: no inference, so no quantized kernels to
-    # validate and no KV cache to size.
-    model_config.quantization = None
-    envs.VLLM_CPU_KVCACHE_SPACE = 0
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        logging_config=engine_args.create_logging_config(),
-        structured_outputs_config=engine_args.create_structured_outputs_config(),
-    )
-    renderer = renderer_from_config(vllm_config)
+    if renderer is None:
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        # As the render server: no inference, so no quantized kernels to
+        # validate and no KV cache to size.
+        model_config.quantization = None
+        envs.VLLM_CPU_KVCACHE_SPACE = 0
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            logging_config=engine_args.create_logging_config(),
+            structured_outputs_config=engine_args.create_structured_outputs_config(),
+        )
+        renderer = renderer_from_config(vllm_config)
+    vllm_config = renderer.config
+    model_config = renderer.model_config
+    if model_config.hf_config.model_type == "gpt_oss":
+        _load_harmony_encoding()
     served_model_names = args.served_model_name or [args.model]
     registry = OpenAIModelRegistry(
         model_config=model_config,
@@ -164,3 +188,36 @@ def derender_stack(args: Namespace, derenderer_class: type | None = None) -> Any
         log_error_stack=args.log_error_stack,
     )
     return ServingDerender(registry, derenderer, request_logger=None)
+
+
+# o200k_base.tiktoken as openai_harmony reads it; the digest is the one
+# openai_harmony checks.
+HARMONY_VOCABULARY = "o200k_base.tiktoken"
+HARMONY_VOCABULARY_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+
+
+def _load_harmony_encoding() -> None:
+    """gpt-oss answers go through the harmony encoding, which vLLM loads on
+    the first request; load it now, so that a missing vocabulary stops the
+    start-up with what to provide instead of failing every record.
+
+    openai_harmony reads ``o200k_base.tiktoken`` from the directory named by
+    ``TIKTOKEN_ENCODINGS_BASE``; without it, a build that bundles the file
+    uses its own copy, and one that does not downloads it.
+    """
+    from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
+
+    try:
+        get_encoding()
+    except Exception as exc:
+        base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+        where = (
+            f"TIKTOKEN_ENCODINGS_BASE={base} has no usable {HARMONY_VOCABULARY}"
+            if base
+            else f"openai_harmony could not load {HARMONY_VOCABULARY} (no download offline)"
+        )
+        raise ConfigError(
+            f"gpt-oss (model_type gpt_oss) needs the harmony encoding, and {where}: {exc}. "
+            f"Provide {HARMONY_VOCABULARY} (sha256 {HARMONY_VOCABULARY_SHA256}) in a directory "
+            "and set TIKTOKEN_ENCODINGS_BASE to that directory."
+        ) from None

