@@ -7,7 +7,11 @@ They are session-scoped because each costs seconds to build.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +19,15 @@ from pathlib import Path
 import pytest
 
 from derender_core import DerenderEngine, RenderConfig
-from tests.helpers import SAMPLE, RenderServer
+from tests.helpers import SAMPLE, TOKENIZER_CACHE_VARIABLES, RenderServer
+
+# The suite runs with empty tokenizer caches, so a model that would need a
+# downloaded file fails here instead of finding it in ~/.cache. Set before
+# anything imports huggingface_hub, which reads them at import; the render
+# servers inherit them.
+EMPTY_TOKENIZER_CACHE = Path(tempfile.mkdtemp(prefix="derender-tests-empty-cache-"))
+os.environ.update(dict.fromkeys(TOKENIZER_CACHE_VARIABLES, str(EMPTY_TOKENIZER_CACHE)))
+atexit.register(shutil.rmtree, EMPTY_TOKENIZER_CACHE, ignore_errors=True)
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,

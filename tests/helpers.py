@@ -97,27 +97,33 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
-# Where the tokenizer libraries look for downloaded files, and the proxy
-# variables every HTTP client honours.
-CACHE_VARIABLES = (
-    "HF_HOME", "HF_HUB_CACHE", "HF_XET_CACHE", "XDG_CACHE_HOME",
+# Where the tokenizer libraries (huggingface_hub, tiktoken, openai_harmony)
+# look for downloaded files. huggingface_hub reads its own at import.
+TOKENIZER_CACHE_VARIABLES = (
+    "HF_HOME", "HF_HUB_CACHE", "HF_XET_CACHE",
     "TIKTOKEN_CACHE_DIR", "TIKTOKEN_RS_CACHE_DIR", "DATA_GYM_CACHE_DIR",
 )  # fmt: skip
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+def no_network() -> dict[str, str]:
+    """Proxy settings every HTTP client honours (requests, httpx, urllib,
+    huggingface_hub) that send any download to a closed port, so it fails
+    at once; local addresses stay direct, for the render servers."""
+    closed = "http://127.0.0.1:9"
+    return {
+        **dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"), closed),
+        **dict.fromkeys(("NO_PROXY", "no_proxy"), "127.0.0.1,localhost"),
+    }
 
 
 def empty_cache_env(cache_dir: Path) -> dict[str, str]:
     """`offline_env` with every tokenizer cache pointed at an empty
-    directory and every download sent to a closed port, so a process that
-    needs anything it was not given fails instead of finding it cached or
-    fetching it."""
+    directory and no network, so a process that needs anything it was not
+    given fails instead of finding it cached or fetching it."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     if any(cache_dir.iterdir()):
         raise RuntimeError(f"{cache_dir} is not empty")
-    env = offline_env(**dict.fromkeys(CACHE_VARIABLES, str(cache_dir)))
-    env.update(dict.fromkeys(PROXY_VARIABLES, "http://127.0.0.1:9"))
-    env.pop("NO_PROXY", None)
-    env.pop("no_proxy", None)
+    env = offline_env(**dict.fromkeys(TOKENIZER_CACHE_VARIABLES, str(cache_dir)), **no_network())
     env.pop("TIKTOKEN_ENCODINGS_BASE", None)
     return env
 
