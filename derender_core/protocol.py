@@ -111,7 +111,7 @@ class StreamAnswer(Answer):
         chunk: dict[str, Any],
         chunk_raw: bytes,
         state: Any,
-        dump_state: Callable[[Any], Any],
+        dump_state: Callable[[Any], bytes],
     ) -> None:
         # No call to Answer.__init__: `raw` is built on demand.
         self.status = 200
@@ -135,7 +135,7 @@ class StreamAnswer(Answer):
     @cached_property
     def raw(self) -> bytes:
         # The handlers' JSONResponse over {"chunk", "stream_state"}, in parts.
-        return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + render_json(self._dump_state(self._state)) + b"}"
+        return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + self._dump_state(self._state) + b"}"
 
 
 def render_json(content: Any) -> bytes:
@@ -144,6 +144,20 @@ def render_json(content: Any) -> bytes:
     return json.dumps(
         content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
     ).encode("utf-8")
+
+
+def render_state(state: Mapping[str, Any]) -> bytes:
+    """A stream state's bytes, exactly as `render_json` writes them.
+
+    A state holds only integers, booleans and token strings, for which
+    orjson writes the same bytes as ``json.dumps`` (tests/test_protocol.py
+    checks this), many times faster; jsonl output writes a state that grows
+    with its stream on every call.
+    """
+    try:
+        return orjson.dumps(state)
+    except TypeError:  # e.g. a string that is not UTF-8: json words the failure
+        return render_json(state)
 
 
 class Derenderer(Protocol):

@@ -80,7 +80,10 @@ class LiveDerenderer(OnlineDerenderer):
             return await self._replay_chat_stream_parsed_async(  # type: ignore[no-any-return]
                 parser_cls, model, generate_chunk, state, chat_request, prompt_tokens, prompt_token_ids
             )
-        if isinstance(state, LiveState) and state.continues(chat_request, prompt_token_ids):
+        if isinstance(state, LiveState) and (
+            # A chunk without a choice (usage) steps nothing: any state will do.
+            not generate_chunk.choices or state.continues(chat_request, prompt_token_ids)
+        ):
             stream = state.stream
         else:
             base = state.to_model() if isinstance(state, LiveState) else state

@@ -16,13 +16,13 @@ import asyncio
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import RenderConfig
 from ..errors import ConfigError
-from ..protocol import Answer, Endpoint, StreamAnswer, render_json
+from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
 from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
 
 _T = TypeVar("_T")
@@ -107,10 +107,14 @@ class DerenderEngine:
             )
         request = self._known_stream_request(endpoint, body) if self.live else None
         if request is None:
+            checked = _materialized(body)
+            if self.live and isinstance(body, Mapping) and isinstance(body.get(endpoint.request_key), dict):
+                # vLLM's request validators fill defaults into the dict they
+                # are given (tool_choice, say); the request to remember is the
+                # one the caller sent.
+                checked = {**checked, endpoint.request_key: copy.deepcopy(body[endpoint.request_key])}
             try:
-                request = self._bodies[endpoint].validate_python(
-                    _materialized(body), from_attributes=True
-                )
+                request = self._bodies[endpoint].validate_python(checked, from_attributes=True)
             except ValidationError as exc:
                 # FastAPI reports body errors under a leading "body" location.
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
@@ -225,10 +229,22 @@ class DerenderEngine:
         self._loop.close()
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        """Run a handler coroutine on the engine's event loop."""
+        """Run a handler coroutine to its end.
+
+        Most calls never wait on anything (a live stream steps in place),
+        so the coroutine is first stepped here, without the cost of an
+        event-loop turn; one that awaits vLLM's thread pool (its
+        ``make_async`` helpers) finishes on the engine's event loop.
+        """
         if self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coroutine)
+        # make_async binds its futures to the current event loop.
+        asyncio.set_event_loop(self._loop)
+        try:
+            awaited = coroutine.send(None)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        return self._loop.run_until_complete(_finish(coroutine, awaited))
 
     async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
         """The body of the api_router handlers for the derender paths."""
@@ -276,6 +292,35 @@ class DerenderEngine:
         """The answer one of the app's exception handlers gives for `exc`."""
         response = self._run(handler(_HANDLER_REQUEST, exc))
         return Answer(response.status_code, bytes(response.body))
+
+
+async def _finish(coroutine: Coroutine[Any, Any, _T], awaited: Any) -> _T:
+    """Await the rest of a coroutine that was stepped once by hand."""
+    return await _Resumed(coroutine, awaited)
+
+
+class _Resumed:
+    """An awaitable that goes on driving a coroutine from the point where
+    it yielded `awaited`, passing results and exceptions through."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], awaited: Any) -> None:
+        self._coroutine = coroutine
+        self._awaited = awaited
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        awaited = self._awaited
+        while True:
+            try:
+                sent = yield awaited
+            except BaseException as exc:  # noqa: BLE001 - thrown into the coroutine
+                resume: Callable[[Any], Any] = self._coroutine.throw
+                argument: Any = exc
+            else:
+                resume, argument = self._coroutine.send, sent
+            try:
+                awaited = resume(argument)
+            except StopIteration as done:
+                return done.value
 
 
 # vLLM's exception handlers read only ``request.app.state.args.log_error_stack``
@@ -328,8 +373,8 @@ def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
     return StreamAnswer(chunk, chunk_raw, state, _dump_state)
 
 
-def _dump_state(state: Any) -> Any:
-    return state.model_dump()
+def _dump_state(state: Any) -> bytes:
+    return render_state(state.model_dump())
 
 
 def _is_state_object(state: Any) -> bool:
