@@ -47,7 +47,9 @@ class DerenderEngine:
     def __init__(self, serving: Any, startup_seconds: float, *, live: bool = False) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequestUnion,
+            DerenderChatStreamRequest,
             DerenderCompletionRequestUnion,
+            DerenderCompletionStreamRequest,
         )
 
         self._serving = serving
@@ -56,6 +58,12 @@ class DerenderEngine:
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
             Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
             Endpoint.COMPLETION: _body_adapter(DerenderCompletionRequestUnion),
+        }
+        # A body known to be a stream call succeeds only as the union's
+        # streaming member, so live mode validates it against that alone.
+        self._stream_bodies: dict[Endpoint, TypeAdapter[Any]] = {
+            Endpoint.CHAT: _body_adapter(DerenderChatStreamRequest),
+            Endpoint.COMPLETION: _body_adapter(DerenderCompletionStreamRequest),
         }
         # One loop for the engine and its `in_mode` copies, across calls like
         # the server's.
@@ -150,10 +158,8 @@ class DerenderEngine:
         if state is not None and not _is_state_object(state):
             rest["stream_state"] = state
         try:
-            request = self._bodies[endpoint].validate_python(rest, from_attributes=True)
+            request = self._stream_bodies[endpoint].validate_python(rest, from_attributes=True)
         except ValidationError:
-            return None
-        if not getattr(request, "stream", False):
             return None
         setattr(request, key, request_model)
         request.prompt_token_ids = prompt_ids
