@@ -249,7 +249,10 @@ def _discard_stdout() -> None:
     """Point stdout at /dev/null, so that Python's exit-time flush of bytes
     a closed pipe or a full disk refused does not fail a second time."""
     with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout)
+        os.close(devnull)
 
 
 def _derender(
