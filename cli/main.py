@@ -221,7 +221,7 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
             # Closing an output failed after the run (a gzip trailer on a full disk).
             console.print(f"derender: the run could not finish: {exc}", markup=False)
             _discard_stdout()
-            raise typer.Exit(ExitStatus.INCOMPLETE) from None
+            raise typer.Exit(exc.exit_status) from None
         except Exception as exc:
             # Not the input's fault: a bug. The exit status says the run
             # could not finish, never "some records failed".

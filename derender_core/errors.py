@@ -27,8 +27,9 @@ class ExitStatus(IntEnum):
     USAGE = 2
     """A usage or configuration error: nothing was processed."""
     INCOMPLETE = 3
-    """The run could not finish (an input or output failed mid-run); the
-    output holds the records written before the failure."""
+    """The run could not finish: an input or output failed mid-run (the
+    output holds the records written before the failure), or derender hit a
+    bug outside any one record."""
 
 
 class DerenderError(Exception):
@@ -55,6 +56,8 @@ class StreamFailure(Exception):
     read error) or an output that can no longer be written (a full disk).
     Raised mid-run by readers and writers; `run` turns it into
     `RunIncomplete`."""
+
+    exit_status = ExitStatus.INCOMPLETE
 
 
 class RunIncomplete(Exception):
