@@ -113,7 +113,8 @@ class _Checker:
         chunk = body.get("generate_chunk")
         if isinstance(chunk, Mapping):
             choices = chunk.get("choices")
-            if isinstance(choices, list):
+            # vLLM refuses more than one choice per chunk in its own words.
+            if isinstance(choices, list) and len(choices) == 1:
                 for i, choice in enumerate(choices):
                     path = f"generate_chunk.choices[{i}]"
                     if isinstance(choice, Mapping):

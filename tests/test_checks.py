@@ -184,6 +184,14 @@ def test_what_vllm_rejects_is_left_for_vllm_to_word(body: dict[str, Any]) -> Non
     assert check_body(body, Endpoint.CHAT, stream=False, vocab_size=VOCAB) is None
 
 
+def test_a_chunk_with_two_choices_is_left_for_vllm_to_word() -> None:
+    """vLLM refuses more than one choice per stream chunk ("expects at most
+    one choice per chunk"), whatever the choices hold."""
+    body = chunk_body()
+    body["generate_chunk"]["choices"].append({"index": 5, "token_ids": [VOCAB, -1]})
+    assert check_body(body, Endpoint.CHAT, stream=True, vocab_size=VOCAB) is None
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
