@@ -151,6 +151,15 @@ class _Checker:
         content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
         if not isinstance(content, list):
             return
+        # The common case, every id good, without a call per id; the walk
+        # below finds the field to name.
+        try:
+            ids = [entry["token_id"] for entry in content]
+            ids += [top["token_id"] for entry in content for top in entry.get("top_logprobs") or ()]
+        except (TypeError, KeyError, AttributeError):
+            ids = []
+        if ids and self.all_good(ids, negatives_checked_by_vllm=False):
+            return
         for k, entry in enumerate(content):
             if not isinstance(entry, Mapping):
                 continue
@@ -203,14 +212,17 @@ class _Checker:
             raise _Found(f"{path}: {index} is outside 0..{n - 1} ({bound})")
         return True
 
+    def all_good(self, ids: list[Any], *, negatives_checked_by_vllm: bool) -> bool:
+        """Whether every id is a good integer, at C speed: the common case."""
+        if set(map(type, ids)) != {int}:
+            return False
+        return max(ids) < self.vocab_size and (negatives_checked_by_vllm or min(ids) >= 0)
+
     def ids(self, path: str, ids: Any, *, negatives_checked_by_vllm: bool) -> None:
         if not isinstance(ids, list) or not ids:
             return
-        # The common case, all good, at C speed.
-        if set(map(type, ids)) == {int}:
-            low, high = min(ids), max(ids)
-            if high < self.vocab_size and (low >= 0 or negatives_checked_by_vllm):
-                return
+        if self.all_good(ids, negatives_checked_by_vllm=negatives_checked_by_vllm):
+            return
         for j, token_id in enumerate(ids):
             self.id(f"{path}[{j}]", token_id, negatives_checked_by_vllm=negatives_checked_by_vllm)
 
