@@ -54,11 +54,16 @@ class Answer:
 
     @property
     def error_message(self) -> str:
-        """The error's message, or "" for a successful answer."""
+        """The error's message, or "" for a successful answer. vLLM's error
+        shape has ``error.message``; FastAPI's own 400 for a body it cannot
+        parse has ``detail``."""
         if self.ok:
             return ""
         error = self.body.get("error")
-        return str(error.get("message", "")) if isinstance(error, Mapping) else ""
+        if isinstance(error, Mapping):
+            return str(error.get("message", ""))
+        detail = self.body.get("detail")
+        return detail if isinstance(detail, str) else ""
 
     @property
     def is_stream_answer(self) -> bool:
@@ -164,6 +169,9 @@ class Derenderer(Protocol):
     """One path's answers to derender calls, as an HTTP endpoint gives them."""
 
     startup_seconds: float
+    vocab_size: int
+    """The tokenizer's full size, added tokens included; batch execution
+    refuses token ids at or above it (`checks`)."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""
@@ -173,6 +181,10 @@ class Derenderer(Protocol):
 
     def bad_request(self, message: str) -> Answer:
         """A 400 in the server's error shape, for problems found before the call."""
+
+    def internal_error(self, exc: Exception) -> Answer:
+        """What the server's catch-all handler answers for an unexpected
+        exception, for a record that hit a bug rather than a bad input."""
 
     def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full chat response from assembled fields, vLLM's defaults for the rest."""

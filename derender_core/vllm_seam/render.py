@@ -55,6 +55,9 @@ class DerenderEngine:
         self._serving = serving
         self.startup_seconds = startup_seconds
         self.live = live
+        self.vocab_size = _vocab_size(self.tokenizer)
+        """The tokenizer's full size, added tokens included: ids at or above
+        it decode as nothing."""
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
             Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
             Endpoint.COMPLETION: _body_adapter(DerenderCompletionRequestUnion),
@@ -95,7 +98,36 @@ class DerenderEngine:
             raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
-        return cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+        engine._check_tokenizer(config.tokenizer or config.model or "")
+        return engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's tokenizer for the model, as the derenderer decodes with it."""
+        return self._serving.online_derenderer.renderer.get_tokenizer()
+
+    def _check_tokenizer(self, directory: str) -> None:
+        """Refuse a tokenizer that can only decode its special tokens.
+
+        Given a directory with ``config.json`` but no tokenizer files,
+        transformers builds an empty tokenizer of the model's class and
+        every answer would have empty content; the server starts anyway.
+
+        Raises:
+            ConfigError: naming the directory.
+
+        """
+        try:
+            special = len(set(self.tokenizer.all_special_ids))
+        except (AttributeError, NotImplementedError):
+            special = 1
+        if self.vocab_size <= special:
+            raise ConfigError(
+                f"{directory}: the tokenizer holds {self.vocab_size} token(s), only special "
+                "ones, so every answer would be empty. Are its tokenizer files "
+                "(tokenizer.json, tokenizer.model, vocab.json, ...) missing?"
+            )
 
     def in_mode(self, *, live: bool) -> DerenderEngine:
         """This engine in live or replay mode, sharing the stack."""
@@ -127,12 +159,14 @@ class DerenderEngine:
                 # FastAPI reports body errors under a leading "body" location.
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
                 return self._validation_answer(errors)
+            except Exception as exc:  # RecursionError, say: the app's catch-all
+                return self.internal_error(exc)
             if self.live:
                 self._remember_stream_request(endpoint, body, request)
         try:
             return self._run(self._dispatch(endpoint, request))
         except Exception as exc:  # the app's catch-all handlers, in order
-            return self._exception_answer(exc)
+            return self.internal_error(exc)
 
     def _known_stream_request(self, endpoint: Endpoint, body: Any) -> Any:
         """A streaming body whose request and prompt are those of an earlier
@@ -185,12 +219,16 @@ class DerenderEngine:
 
     def invalid_json(self, message: str, position: int | None) -> Answer:
         """The answer to a body that is not JSON, as FastAPI words it; a
-        body that is not even text (position None) gets its generic 400."""
+        body its parser gives up on as a whole (not text, nested too deeply,
+        an integer too long: position None) gets its generic 400.
+
+        FastAPI raises Starlette's ``HTTPException`` for that one, and vLLM
+        registers its handler for FastAPI's subclass only, so FastAPI's own
+        default handler answers: ``{"detail": ...}``, not vLLM's error shape.
+        """
         if position is None:
-            from fastapi import HTTPException
-            from vllm.entrypoints.serve.exception_handling.handlers.http import (
-                http_exception_handler,
-            )
+            from fastapi.exception_handlers import http_exception_handler
+            from starlette.exceptions import HTTPException
 
             return self._handled(
                 http_exception_handler,
@@ -287,16 +325,31 @@ class DerenderEngine:
 
         return self._handled(validation_exception_handler, RequestValidationError(errors))
 
-    def _exception_answer(self, exc: Exception) -> Answer:
+    def internal_error(self, exc: Exception) -> Answer:
+        """What the app's catch-all exception handler answers for `exc`."""
         from vllm.entrypoints.serve.exception_handling.handlers.exception import (
             exception_handler,
         )
 
-        return self._handled(exception_handler, exc)
+        return self._handled(exception_handler, exc, fallback=False)
 
-    def _handled(self, handler: Callable[[Any, Any], Coroutine[Any, Any, Any]], exc: Exception) -> Answer:
+    def _handled(
+        self,
+        handler: Callable[[Any, Any], Coroutine[Any, Any, Any]],
+        exc: Exception,
+        *,
+        fallback: bool = True,
+    ) -> Answer:
         """The answer one of the app's exception handlers gives for `exc`."""
-        response = self._run(handler(_HANDLER_REQUEST, exc))
+        try:
+            response = self._run(handler(_HANDLER_REQUEST, exc))
+        except Exception as failure:
+            # A handler that fails itself (echoing a deeply nested input, say)
+            # gets the server's bare "Internal Server Error" text; a JSONL
+            # output needs JSON, so it gets the catch-all handler's shape.
+            if not fallback:
+                raise
+            return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
 
 
@@ -377,6 +430,16 @@ def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
     except ValueError as exc:
         return _unserialisable(exc)
     return StreamAnswer(chunk, chunk_raw, state, _dump_state)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """Every id the tokenizer can decode is below this: its length counts
+    added tokens, and its highest id covers any gap."""
+    size = len(tokenizer)
+    try:
+        return max(size, int(tokenizer.max_token_id) + 1)
+    except (AttributeError, NotImplementedError):
+        return size
 
 
 def _dump_state(state: Any) -> bytes:
