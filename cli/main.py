@@ -7,6 +7,7 @@ vLLM is imported only once a command runs, never for ``--help``.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -27,17 +28,25 @@ from derender_core import (
     InputError,
     Job,
     JsonlWriter,
+    OutcomeSource,
     RenderConfig,
+    Report,
     RequestIndex,
     SseWriter,
     Writer,
-    iter_records,
-    open_input,
     open_output,
     run,
 )
+from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
+from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
+from derender_core.resume import prepare_output, skip_answered
+from derender_core.workers import WorkerLost, WorkerPool, usable_cpus
 
-from .progress import ProgressDisplay, print_summary
+from .progress import ProgressDisplay, Summary, print_summary
+
+RUN_INCOMPLETE = 3
+"""Exit status of a run that could not finish (a worker died); what it
+answered before is written in full."""
 
 app = typer.Typer(
     name="derender",
@@ -111,17 +120,22 @@ _RENDER_OPTIONS: dict[str, Any] = {
 }
 
 InputArg = Annotated[
-    str,
+    list[str],
     typer.Argument(
-        metavar="INPUT",
-        help="JSONL or SSE capture to read; - for stdin. Gzip is detected.",
+        metavar="INPUT...",
+        help="JSONL, SSE capture or .parquet to read; - for stdin. Gzip and zstd are detected. "
+        "Several inputs (shards) need -o DIR/: each gets DIR/<input name>.",
         show_default=False,
     ),
 ]
 OutputOpt = Annotated[
     str,
     typer.Option(
-        "--output", "-o", metavar="PATH", help="Where to write; - for stdout. A .gz path is gzipped."
+        "--output",
+        "-o",
+        metavar="PATH",
+        help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet path "
+        "gets Parquet rows; DIR/ gets one output per input, named after it.",
     ),
 ]
 RequestsOpt = Annotated[
@@ -133,7 +147,65 @@ RequestsOpt = Annotated[
         "prompt_token_ids, optional prompt_tokens and model), to join bare generate output by request_id.",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        "-j",
+        min=1,
+        metavar="N",
+        help="Worker processes, forked after the model loads. 1 runs in this process. "
+        "Default: the CPU cores this process may use.",
+        show_default=False,
+    ),
+]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue the outputs an earlier, stopped run left: the records they hold are "
+        "skipped, the rest appended. JSONL (plain, .gz, .zst) and Parquet outputs.",
+    ),
+]
+RayOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="Run on a Ray cluster with Ray Data (pip install 'derender[ray]'); one engine per actor.",
+        rich_help_panel="Ray",
+    ),
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Cluster to join, as ray.init(address=...) takes it. Default: a local cluster.",
+        rich_help_panel="Ray",
+    ),
+]
+RayActorsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ray-actors",
+        min=1,
+        metavar="N",
+        help="Actors (engines) in the pool. Default: the cluster's CPUs less one, at least one.",
+        rich_help_panel="Ray",
+    ),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How a command runs: where, on how many workers, resuming or not."""
+
+    workers: int | None = None
+    resume: bool = False
+    ray: bool = False
+    ray_address: str | None = None
+    ray_actors: int | None = None
 
 
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
@@ -157,6 +229,13 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)
             raise typer.Exit(2) from None
+        except _Incomplete as exc:
+            console.print(f"derender: error: {exc}", markup=False)
+            raise typer.Exit(RUN_INCOMPLETE) from None
+        except KeyboardInterrupt:
+            # A second Ctrl-C: stop at once; whole lines are written whole.
+            console.print("derender: aborted", markup=False)
+            raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly, as shell tools
             # do, and keep Python's exit-time flush from failing again.
@@ -175,18 +254,34 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
 def _derender(
     config: RenderConfig,
     console: Console,
-    input_path: str,
+    input_paths: list[str],
     output: str,
     job_endpoint: Endpoint,
     requests_path: Path | None,
     quiet: bool,
+    scale: Scale,
     stream_format: OutputFormat | None = None,
     live: bool = False,
 ) -> int:
-    """Open everything the run needs, cheapest checks first, then run it."""
-    directory = _sse_directory(output, stream_format)
+    """Open everything the run needs, cheapest checks first, then run it:
+    each input in turn, on one engine (and one pool of workers)."""
+    plan = _plan_outputs(input_paths, output, stream_format, scale.resume)
+    if scale.ray:
+        from derender_core.ray_data import run_on_ray
+
+        if requests_path is not None:
+            raise InputError("--requests is not supported with --ray: put derender bodies in the input")
+        job = Job(endpoint=job_endpoint, stream=stream_format is not None)
+        summary = run_on_ray(
+            config, job, plan, address=scale.ray_address, actors=scale.ray_actors,
+            stream_format=None if stream_format is None else stream_format.value,
+            live=live, resume=scale.resume, log=None if quiet else console,
+        )  # fmt: skip
+        if not quiet:
+            print_summary(console, summary)
+        return summary.return_code
+    summary = Summary()
     with contextlib.ExitStack() as resources:
-        source = resources.enter_context(open_input(input_path))
         requests = None
         if requests_path is not None:
             requests = RequestIndex(str(requests_path))
@@ -195,23 +290,99 @@ def _derender(
         progress.loading(config.model or "")
         engine = DerenderEngine.build(config, live=live)
         resources.callback(engine.close)
+        summary.startup["model"] = engine.startup_seconds
         job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
-        writer = resources.enter_context(
-            _open_writer(output, directory, stream_format, job_endpoint, engine)
-        )
-        report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
+        workers = scale.workers or usable_cpus()
+        outcomes = None
+        if workers > 1:
+            pool = resources.enter_context(WorkerPool(engine, workers, requests))
+            summary.startup[f"{workers} workers"] = pool.startup_seconds
+            whole = stream_format in (None, OutputFormat.jsonl)
+            outcomes = pool.answering(job, whole_stream_answers=whole)
+        stop = resources.enter_context(stop_on_signals(progress.stopping))
+        for input_path, output_path, directory in plan:
+            summary.add(input_path, _derender_one(
+                engine, job, input_path, output_path, directory, stream_format,
+                outcomes, stop, progress, scale.resume,
+            ))  # fmt: skip
+            if stop:
+                break
     if not quiet:
-        print_summary(console, report, engine.startup_seconds)
-    return report.return_code
+        print_summary(console, summary)
+    return summary.return_code
 
 
-def _sse_directory(output: str, stream_format: OutputFormat | None) -> Path | None:
-    """``-o DIR/`` (or an existing directory) asks for one file per request."""
-    if output == "-" or not (output.endswith("/") or Path(output).is_dir()):
-        return None
-    if stream_format is not OutputFormat.sse:
-        raise InputError(f"-o {output} is a directory; only --format sse writes one file per request")
-    return Path(output)
+def _derender_one(
+    engine: DerenderEngine,
+    job: Job,
+    input_path: str,
+    output: str,
+    directory: Path | None,
+    stream_format: OutputFormat | None,
+    outcomes: OutcomeSource | None,
+    stop: StopRequest,
+    progress: ProgressDisplay,
+    resume: bool,
+) -> Report:
+    """Derender one input into one output."""
+    done = prepare_output(output) if resume else 0
+    with contextlib.ExitStack() as resources:
+        source = resources.enter_context(open_records(input_path, job))
+        writer = resources.enter_context(
+            _open_writer(output, directory, stream_format, job.endpoint, engine, append=done > 0)
+        )
+        records: Any = until_stopped(source.records, stop)
+        if done:
+            records = skip_answered(records, done, answers_in(output) if job.stream else None)
+        progress.start_input(input_path, source, done)
+        try:
+            report = run(
+                engine, records, job, writer,
+                on_progress=progress.update, outcomes=outcomes,
+            )  # fmt: skip
+        except WorkerLost as exc:
+            writer.close()
+            raise _Incomplete(f"{input_path}: {exc}") from None
+    report.stopped_by = stop.signal
+    report.resumed = done
+    return report
+
+
+class _Incomplete(Exception):
+    """The run cannot finish; what was answered is written."""
+
+
+def _plan_outputs(
+    input_paths: list[str], output: str, stream_format: OutputFormat | None, resume: bool
+) -> list[tuple[str, str, Path | None]]:
+    """Each input with its output path, and the directory for per-request
+    SSE files (one input, ``--format sse``, ``-o DIR/``)."""
+    is_directory = output != "-" and (output.endswith("/") or Path(output).is_dir())
+    if resume and output == "-":
+        raise InputError("--resume continues an output file: pass -o FILE or -o DIR/")
+    if resume and stream_format not in (None, OutputFormat.jsonl):
+        raise InputError(
+            "--resume continues JSONL or Parquet outputs, one record per line; "
+            f"--format {stream_format.value if stream_format else ''} output is written per request"
+        )
+    if not is_directory:
+        if len(input_paths) > 1:
+            raise InputError(
+                f"{len(input_paths)} inputs need an output directory (-o DIR/), one output per input"
+            )
+        if is_parquet(output) and stream_format not in (None, OutputFormat.jsonl):
+            raise InputError("a .parquet output holds one row per record: use --format jsonl")
+        return [(input_paths[0], output, None)]
+    if len(input_paths) == 1 and stream_format is OutputFormat.sse:
+        if resume:
+            raise InputError("--resume continues JSONL or Parquet outputs, not per-request SSE files")
+        return [(input_paths[0], output, Path(output))]
+    if "-" in input_paths:
+        raise InputError("-o DIR/ names each output after its input, and stdin has no name")
+    names = [output_name(path, stream_format.value if stream_format else None) for path in input_paths]
+    if len(set(names)) < len(names):
+        raise InputError("two inputs would write the same output name in " + output)
+    return [(path, str(Path(output) / name), None) for path, name in zip(input_paths, names, strict=True)]
 
 
 @contextlib.contextmanager
@@ -221,13 +392,17 @@ def _open_writer(
     stream_format: OutputFormat | None,
     endpoint: Endpoint,
     engine: Any,
+    append: bool = False,
 ) -> Iterator[Writer]:
     """The writer for the output format, over the opened output."""
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         yield SseWriter(directory=directory)
         return
-    with open_output(output) as target:
+    if is_parquet(output):
+        yield ParquetWriter(output, resume=append)
+        return
+    with open_output(output, append=append) as target:
         if stream_format is OutputFormat.sse:
             yield SseWriter(target=target)
         elif stream_format is OutputFormat.assembled:
@@ -245,11 +420,17 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         output: OutputOpt = "-",
         requests: RequestsOpt = None,
         quiet: QuietOpt = False,
+        workers: WorkersOpt = None,
+        resume: ResumeOpt = False,
+        ray: RayOpt = False,
+        ray_address: RayAddressOpt = None,
+        ray_actors: RayActorsOpt = None,
         *,
         config: RenderConfig,
         console: Console,
     ) -> int:
-        return _derender(config, console, input_path, output, endpoint, requests, quiet)
+        scale = Scale(workers, resume, ray, ray_address, ray_actors)
+        return _derender(config, console, input_path, output, endpoint, requests, quiet, scale)
 
     command.__doc__ = doc
     return with_render_options(command)
@@ -289,7 +470,9 @@ def stream(
             "--output",
             "-o",
             metavar="PATH",
-            help="Where to write; - for stdout; DIR/ for one .sse file per request.",
+            help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet "
+            "path gets Parquet rows (--format jsonl). DIR/: with one input and --format sse, "
+            "one .sse file per request; otherwise one output per input, named after it.",
         ),
     ] = "-",
     output_format: Annotated[
@@ -316,6 +499,11 @@ def stream(
     ] = Endpoint.CHAT,
     requests: RequestsOpt = None,
     quiet: QuietOpt = False,
+    workers: WorkersOpt = None,
+    resume: ResumeOpt = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_actors: RayActorsOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -336,6 +524,7 @@ def stream(
         endpoint,
         requests,
         quiet,
+        Scale(workers, resume, ray, ray_address, ray_actors),
         stream_format=output_format,
         live=mode is StreamMode.live,
     )

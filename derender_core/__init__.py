@@ -3,7 +3,7 @@
 Importing this package does not import vLLM; `DerenderEngine.build` does.
 """
 
-from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
+from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
 from .config import RenderConfig
 from .errors import ConfigError, DerenderError, InputError, RecordError
 from .protocol import Answer, Derenderer, Endpoint, StreamAnswer
@@ -26,12 +26,14 @@ __all__ = [
     "Job",
     "JsonlWriter",
     "Outcome",
+    "OutcomeSource",
     "Record",
     "RecordProcessor",
     "RecordError",
     "RenderConfig",
     "Report",
     "RequestIndex",
+    "Restored",
     "SseWriter",
     "StreamAnswer",
     "StreamLedger",

@@ -20,6 +20,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -36,6 +37,7 @@ from .errors import InputError, RecordError
 from .protocol import Endpoint
 
 GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _SSE_IGNORED_FIELDS = (b"event:", b"id:", b"retry:", b":")
 _LONG_DIGIT_RUN = re.compile(rb"\d{19}")
 
@@ -64,8 +66,10 @@ class Record:
 
 @contextlib.contextmanager
 def open_input(path: str) -> Iterator[BinaryIO]:
-    """Open a path, or stdin for ``-``; gzip is detected by its magic bytes,
-    so ``.gz`` files and gzipped stdin read transparently."""
+    """Open a path, or stdin for ``-``; gzip and zstd are detected by their
+    magic bytes, so ``.gz`` and ``.zst`` files and compressed stdin read
+    transparently. ``fileno()`` of what it yields is the file read, so the
+    bytes read so far are its OS position."""
     if path == "-":
         raw: BinaryIO = sys.stdin.buffer
         owned = False
@@ -77,14 +81,38 @@ def open_input(path: str) -> Iterator[BinaryIO]:
         owned = True
     buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)  # type: ignore[arg-type]
     try:
-        if buffered.peek(2)[:2] == GZIP_MAGIC:
+        magic = buffered.peek(4)[:4]
+        if magic[:2] == GZIP_MAGIC:
             with gzip.GzipFile(fileobj=buffered) as unzipped:
                 yield unzipped  # type: ignore[misc]
+        elif magic == ZSTD_MAGIC:
+            with io.BufferedReader(_ZstdReader(buffered)) as unzstd:
+                yield unzstd  # type: ignore[misc]
         else:
             yield buffered
     finally:
         if owned:
             buffered.close()
+
+
+class _ZstdReader(io.RawIOBase):
+    """A zstd stream (all its frames) as a raw file, so it reads by lines
+    and still reports the file descriptor it reads from."""
+
+    def __init__(self, compressed: BinaryIO) -> None:
+        import zstandard
+
+        self._compressed = compressed
+        self._reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._reader.readinto(buffer)  # type: ignore[no-any-return]
+
+    def fileno(self) -> int:
+        return self._compressed.fileno()
 
 
 def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
@@ -193,10 +221,23 @@ class RequestIndex:
         offset = self._offsets.get(request_id)
         if offset is None:
             return None
-        self._file.seek(offset)
-        payload = parse_line(self._file.readline())
+        payload = parse_line(self._line_at(offset))
         assert payload is not None and payload[1] is None  # checked by _index
         return payload[0]  # type: ignore[no-any-return]
+
+
+    def _line_at(self, offset: int) -> bytes:
+        """The line at `offset`, read without moving the file's shared
+        offset, so worker processes forked with the index never race."""
+        descriptor, pieces = self._file.fileno(), []
+        while True:
+            piece = os.pread(descriptor, 65536, offset)
+            end = piece.find(b"\n")
+            if end >= 0 or not piece:
+                pieces.append(piece if end < 0 else piece[: end + 1])
+                return b"".join(pieces)
+            pieces.append(piece)
+            offset += len(piece)
 
 
 _BODY_KEYS = ("generate_response", "generate_responses", "generate_chunk")
@@ -241,6 +282,27 @@ def derender_body(
     request = requests.lookup(request_id) if isinstance(request_id, str) else None
     if request is None:
         raise RecordError(f"no request with request_id {request_id!r} in {requests.path}")
+    return joined_body(payload, request, endpoint, stream=stream, origin=requests.path)
+
+
+def joined_body(
+    payload: Mapping[str, Any],
+    request: Mapping[str, Any],
+    endpoint: Endpoint,
+    *,
+    stream: bool,
+    origin: str,
+) -> dict[str, Any]:
+    """A bare generate response or stream chunk joined with its original
+    request (a ``--requests`` line, or a columnar row's request), into the
+    derender body the render step would send.
+
+    Raises:
+        RecordError: when the request has no request for `endpoint`;
+            `origin` names where it came from.
+
+    """
+    request_id = payload.get("request_id")
     original = request.get(endpoint.request_key)
     if original is None:
         other = Endpoint.COMPLETION if endpoint is Endpoint.CHAT else Endpoint.CHAT
@@ -249,9 +311,7 @@ def derender_body(
             if request.get(other.request_key) is not None
             else ""
         )
-        raise RecordError(
-            f"request {request_id!r} in {requests.path} has no {endpoint.request_key}{hint}"
-        )
+        raise RecordError(f"request {request_id!r} in {origin} has no {endpoint.request_key}{hint}")
     prompt_token_ids = request.get("prompt_token_ids")
     prompt_tokens = request.get("prompt_tokens")
     if prompt_tokens is None and isinstance(prompt_token_ids, list):
@@ -280,17 +340,26 @@ def derender_body(
 
 
 @contextlib.contextmanager
-def open_output(path: str) -> Iterator[BinaryIO]:
-    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped."""
+def open_output(path: str, *, append: bool = False) -> Iterator[BinaryIO]:
+    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped,
+    ``.zst`` paths zstd-compressed. `append` adds to the file (a new gzip
+    member or zstd frame, which readers join)."""
     if path == "-":
         yield sys.stdout.buffer
         sys.stdout.buffer.flush()
         return
+    mode = "ab" if append else "wb"
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        target: BinaryIO = (
-            gzip.open(path, "wb") if path.endswith(".gz") else open(path, "wb")  # type: ignore[assignment]
-        )
+        target: BinaryIO
+        if path.endswith(".gz"):
+            target = gzip.open(path, mode)  # type: ignore[assignment]
+        elif path.endswith(".zst"):
+            import zstandard
+
+            target = zstandard.open(path, mode)  # type: ignore[assignment]
+        else:
+            target = open(path, mode)  # noqa: SIM115 - closed below
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     with target:

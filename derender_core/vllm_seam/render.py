@@ -224,6 +224,16 @@ class DerenderEngine:
         """Close the event loop; the engine opens a new one if used again."""
         self._loop.close()
 
+    def after_fork(self) -> None:
+        """Use the engine in a process forked from the one that built it.
+
+        The fork copied the renderer's thread pool but not its threads, so
+        work handed to it would wait forever; vLLM's own `replace_inner`
+        gives it a fresh pool. The event loop was closed before the fork
+        (`close`), so the child opens its own and shares no descriptors.
+        """
+        self._serving.online_derenderer.renderer._executor.replace_inner()
+
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run a handler coroutine on the engine's event loop."""
         if self._loop.is_closed():
