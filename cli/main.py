@@ -267,19 +267,7 @@ def _derender(
     each input in turn, on one engine (and one pool of workers)."""
     plan = _plan_outputs(input_paths, output, stream_format, scale.resume)
     if scale.ray:
-        from derender_core.ray_data import run_on_ray
-
-        if requests_path is not None:
-            raise InputError("--requests is not supported with --ray: put derender bodies in the input")
-        job = Job(endpoint=job_endpoint, stream=stream_format is not None)
-        summary = run_on_ray(
-            config, job, plan, address=scale.ray_address, actors=scale.ray_actors,
-            stream_format=None if stream_format is None else stream_format.value,
-            live=live, resume=scale.resume, log=None if quiet else console,
-        )  # fmt: skip
-        if not quiet:
-            print_summary(console, summary)
-        return summary.return_code
+        return _derender_on_ray(config, console, plan, job_endpoint, requests_path, quiet, scale, stream_format, live)
     summary = Summary()
     with contextlib.ExitStack() as resources:
         requests = None
@@ -307,6 +295,43 @@ def _derender(
             ))  # fmt: skip
             if stop:
                 break
+    if not quiet:
+        print_summary(console, summary)
+    return summary.return_code
+
+
+def _derender_on_ray(
+    config: RenderConfig,
+    console: Console,
+    plan: list[tuple[str, str, Path | None]],
+    endpoint: Endpoint,
+    requests_path: Path | None,
+    quiet: bool,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+) -> int:
+    """``--ray``: the cluster reads and answers, this process writes."""
+    from derender_core.ray_data import import_ray, run_on_ray
+
+    import_ray()  # fails at start-up, with the install command, without Ray
+    if requests_path is not None:
+        raise InputError("--requests is not supported with --ray: put derender bodies in the input")
+    if scale.resume:
+        raise InputError("--resume is not supported with --ray: start afresh, or resume locally")
+    if "-" in (path for path, _, _ in plan):
+        raise InputError("--ray reads files the cluster can reach, not stdin")
+    job = Job(endpoint=endpoint, stream=stream_format is not None)
+    openers = [
+        (path, functools.partial(_open_writer, output, directory, stream_format, endpoint, DerenderEngine))
+        for path, output, directory in plan
+    ]
+    reports, startup = run_on_ray(
+        config, job, openers, address=scale.ray_address, actors=scale.ray_actors,
+        whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live,
+    )  # fmt: skip
+    summary = Summary(reports=reports, startup={"ray": startup})
+    summary.startup["actors"] = sum(report.startup for _, report in reports)
     if not quiet:
         print_summary(console, summary)
     return summary.return_code

@@ -48,6 +48,9 @@ class Report:
     """The signal (SIGINT, SIGTERM) that stopped the run before its input ended."""
     resumed: int = 0
     """Records an earlier run had answered, skipped by ``--resume``."""
+    startup: float = 0.0
+    """Seconds before the first answer spent starting up elsewhere (Ray
+    actors building their engines), left out of `elapsed`."""
 
     @property
     def return_code(self) -> int:

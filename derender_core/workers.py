@@ -197,7 +197,7 @@ class WorkerPool:
                 continue
             if isinstance(message, _Failed):
                 raise WorkerLost(f"worker {message.worker} failed:\n{message.traceback}")
-            return [None if wire is None else _decode(wire) for wire in message]
+            return [None if wire is None else decode_outcome(wire) for wire in message]
 
     def close(self) -> None:
         """Stop the workers: they finish the batch at hand and exit."""
@@ -249,14 +249,16 @@ def _work(
                     processor.restore(item.record, item.answer)
                     results.append(None)
                 else:
-                    results.append(_encode(processor.process(item), whole_stream_answers))
+                    results.append(encode_outcome(processor.process(item), whole_stream_answers))
         except Exception:
             outbox.put(_Failed(index, traceback.format_exc()))
             return
         outbox.put(results)
 
 
-def _encode(outcome: Outcome, whole_stream_answers: bool) -> _Wire:
+def encode_outcome(outcome: Outcome, whole_stream_answers: bool) -> _Wire:
+    """An outcome as it travels between processes: the answer's bytes (for
+    a streamed call, only its chunk unless `whole_stream_answers`)."""
     answer = outcome.answer
     if answer.is_stream_answer and not whole_stream_answers:
         wire: _Wire = (answer.status, None, answer.chunk_raw, outcome.facts, outcome.completed, outcome.tokens)
@@ -265,7 +267,8 @@ def _encode(outcome: Outcome, whole_stream_answers: bool) -> _Wire:
     return wire
 
 
-def _decode(wire: _Wire) -> Outcome:
+def decode_outcome(wire: _Wire) -> Outcome:
+    """The outcome `encode_outcome` sent."""
     status, raw, chunk_raw, facts, completed, tokens = wire
     answer: Answer
     if raw is not None:

@@ -207,14 +207,16 @@ class DerenderEngine:
 
         return _json_answer(create_error_response(message).model_dump(), 400)
 
-    def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def chat_response(fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full ``ChatCompletionResponse`` from assembled fields, with
         vLLM's defaults for the rest, so it lines up with a one-shot answer."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 
         return ChatCompletionResponse.model_validate(fields).model_dump()
 
-    def completion_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def completion_response(fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full ``CompletionResponse`` from assembled fields."""
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse
 
