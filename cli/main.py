@@ -266,8 +266,30 @@ def _derender(
     """Open everything the run needs, cheapest checks first, then run it:
     each input in turn, on one engine (and one pool of workers)."""
     plan = _plan_outputs(input_paths, output, stream_format, scale.resume)
+    for path in input_paths:
+        if path != "-" and not os.path.isfile(path):
+            raise InputError(f"cannot open input {path}: no such file")
     if scale.ray:
-        return _derender_on_ray(config, console, plan, job_endpoint, requests_path, quiet, scale, stream_format, live)
+        summary = _derender_on_ray(config, plan, job_endpoint, requests_path, scale, stream_format, live)
+    else:
+        summary = _derender_here(config, plan, job_endpoint, requests_path, quiet, console, scale, stream_format, live)
+    if not quiet:
+        print_summary(console, summary)
+    return summary.return_code
+
+
+def _derender_here(
+    config: RenderConfig,
+    plan: list[tuple[str, str, Path | None]],
+    job_endpoint: Endpoint,
+    requests_path: Path | None,
+    quiet: bool,
+    console: Console,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+) -> Summary:
+    """On this machine: one engine, forked into workers, for every input."""
     summary = Summary()
     with contextlib.ExitStack() as resources:
         requests = None
@@ -295,22 +317,18 @@ def _derender(
             ))  # fmt: skip
             if stop:
                 break
-    if not quiet:
-        print_summary(console, summary)
-    return summary.return_code
+    return summary
 
 
 def _derender_on_ray(
     config: RenderConfig,
-    console: Console,
     plan: list[tuple[str, str, Path | None]],
     endpoint: Endpoint,
     requests_path: Path | None,
-    quiet: bool,
     scale: Scale,
     stream_format: OutputFormat | None,
     live: bool,
-) -> int:
+) -> Summary:
     """``--ray``: the cluster reads and answers, this process writes."""
     from derender_core.ray_data import import_ray, run_on_ray
 
@@ -330,11 +348,8 @@ def _derender_on_ray(
         config, job, openers, address=scale.ray_address, actors=scale.ray_actors,
         whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live,
     )  # fmt: skip
-    summary = Summary(reports=reports, startup={"ray": startup})
-    summary.startup["actors"] = sum(report.startup for _, report in reports)
-    if not quiet:
-        print_summary(console, summary)
-    return summary.return_code
+    actors = sum(report.startup for _, report in reports)
+    return Summary(reports=reports, startup={"ray": startup, "actors": actors})
 
 
 def _derender_one(

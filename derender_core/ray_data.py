@@ -347,6 +347,7 @@ def run_on_ray(
         context.enable_progress_bars = False
         cpus = float(ray.cluster_resources().get("CPU", 1))
         size = actors or max(1, int(cpus))
+        spread = {"scheduling_strategy": "SPREAD"}  # engines on every node
         # Leave a CPU for the read and write tasks, or the job hangs.
         actor_cpus = max(0.1, min(1.0, (cpus - 1) / size)) if cpus > 1 else 0.5
         whole = whole_stream_answers
@@ -364,13 +365,13 @@ def run_on_ray(
                     dataset.map_batches(_with_stream_key(job), batch_format="pyarrow")
                     .groupby("stream")
                     .map_groups(Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                                compute=compute, num_cpus=actor_cpus)
+                                compute=compute, num_cpus=actor_cpus, **spread)
                     .sort("key")
                 )  # fmt: skip
             else:
                 answered = dataset.map_batches(
                     Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                    compute=compute, num_cpus=actor_cpus,
+                    compute=compute, num_cpus=actor_cpus, **spread,
                 )  # fmt: skip
             reports.append((input_path, _write(answered, job, open_writer, whole, input_path)))
     return reports, startup
@@ -380,8 +381,13 @@ def _read(ray: Any, path: str, job: Job) -> Any:
     if is_parquet(path):
         if job.stream:
             raise InputError("stream --ray reads JSONL or SSE inputs")
-        dataset = ray.data.read_parquet(path)
-        return dataset.repartition(max(1, dataset.count() // LINES_PER_BLOCK) or 1)
+        import pyarrow.parquet as pq
+
+        # Blocks of about LINES_PER_BLOCK rows, so a small file still feeds
+        # every actor (a repartition before an actor pool hangs on a
+        # multi-node cluster in Ray 2.60).
+        rows = pq.ParquetFile(path).metadata.num_rows
+        return ray.data.read_parquet(os.path.abspath(path), override_num_blocks=max(1, rows // LINES_PER_BLOCK))
     return ray.data.read_datasource(_lines_datasource([os.path.abspath(path)]))
 
 

@@ -14,6 +14,9 @@ import json
 import random
 import re
 import signal
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +49,7 @@ from derender_core.interrupt import StopRequest, until_stopped
 from derender_core.resume import prepare_output, skip_answered
 from derender_core.workers import BATCH_RECORDS, WorkerPool
 from tests.conftest import Stack
+from tests.helpers import REPO, offline_env
 from tests.sample_inputs import (
     chat_bodies,
     chat_error_bodies,
@@ -373,3 +377,105 @@ def test_quiet_progress_shows_nothing_off_a_terminal() -> None:
         progress.loading("m")
         progress.update(Report(records=1))
     assert stream.getvalue() == ""
+
+
+# --- real runs, killed at random points ---------------------------------------
+
+
+def derender_process(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("derender")), *args, "--config", "sample_data/qwen3.yaml"],
+        cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def kill_while_writing(process: subprocess.Popen[bytes], output: Path, signum: int, rng: random.Random) -> tuple[int, bytes]:
+    """Wait until answers reach `output`, then send `signum` a random
+    moment later; the exit status and stderr."""
+    deadline = time.monotonic() + 600
+    while (not output.exists() or output.stat().st_size == 0) and process.poll() is None:
+        assert time.monotonic() < deadline, "no output in 10 minutes"
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0, 1.5))
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=300)
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "signum", "first_workers", "then_workers"),
+    [("chat", signal.SIGTERM, "2", "2"), ("chat", signal.SIGINT, "1", "2"), ("stream", signal.SIGKILL, "2", "1")],
+)
+def test_cli_killed_at_a_random_point_then_resumed(
+    qwen3_stack: Stack, tmp_path: Path, command: str, signum: int, first_workers: str, then_workers: str
+) -> None:
+    """A real run killed mid-way leaves complete lines only (and, for a
+    signal it can handle, says where it stopped); --resume then finishes
+    the output exactly as an uninterrupted run writes it."""
+    stack = qwen3_stack
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    if command == "chat":
+        lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 400
+        job = Job(Endpoint.CHAT)
+    else:
+        lines = []
+        for copy in range(30):  # the sample's interleaved streams, under new request ids
+            for body in stream_bodies(stack.builder):
+                chunk = {**body["generate_chunk"], "request_id": f"{body['generate_chunk']['request_id']}-{copy}"}
+                lines.append(orjson.dumps({**body, "generate_chunk": chunk}))
+        job = Job(Endpoint.CHAT, stream=True)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    output = tmp_path / "out.jsonl"
+    expected, _ = derendered(stack.engine.in_mode(live=True), job, lines)
+
+    process = derender_process(command, str(source), "-o", str(output), "-j", first_workers)
+    status, stderr = kill_while_writing(process, output, signum, rng)
+    written = output.read_bytes()
+    kept = written[: written.rfind(b"\n") + 1]
+    if signum != signal.SIGKILL and status != 0:
+        assert status == 128 + signum, stderr.decode()[-2000:]
+        assert kept == written, "a handled signal leaves whole lines only"
+        stopped = re.search(rb"stopped by SIG\w+ after record (\d+)", stderr)
+        assert stopped and int(stopped.group(1)) == kept.count(b"\n"), stderr.decode()[-2000:]
+    assert normalized(kept) == normalized(expected[: len(kept)]), f"seed {seed}"
+
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("derender")), command, str(source), "-o", str(output),
+         "--resume", "-j", then_workers, "--config", "sample_data/qwen3.yaml"],
+        cwd=REPO, env=offline_env(), capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert normalized(output.read_bytes()) == normalized(expected), f"seed {seed}"
+    if kept:
+        assert b"resumed: %d records" % kept.count(b"\n") in done.stderr
+
+
+def test_cli_shards_gz_zst_and_parquet_into_a_directory(qwen3_stack: Stack, tmp_path: Path) -> None:
+    """Three shards in one run (one start-up, two workers): each output is
+    named after its input, compressed as it was, and holds what a run of
+    that input alone gives."""
+    stack = qwen3_stack
+    lines = [orjson.dumps(b) for b in [*chat_bodies(stack.builder), *chat_error_bodies(stack.builder)]]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part-0.jsonl.gz").write_bytes(gzip.compress(b"\n".join(lines[:5]) + b"\n"))
+    (shards / "part-1.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(lines[5:]) + b"\n"))
+    pq.write_table(pa.table({"body": [line.decode() for line in lines]}), shards / "part-2.parquet")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("derender")), "chat", *sorted(str(p) for p in shards.iterdir()),
+         "-o", f"{out}/", "-j", "2", "--config", "sample_data/qwen3.yaml"],
+        cwd=REPO, env=offline_env(), capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr.decode()[-2000:]  # the error bodies
+    assert sorted(p.name for p in out.iterdir()) == ["part-0.jsonl.gz", "part-1.jsonl.zst", "part-2.parquet"]
+    job = Job(Endpoint.CHAT)
+    assert normalized(gzip.decompress((out / "part-0.jsonl.gz").read_bytes())) == normalized(derendered(stack.engine, job, lines[:5])[0])
+    with open_input(str(out / "part-1.jsonl.zst")) as answers:
+        assert normalized(answers.read()) == normalized(derendered(stack.engine, job, lines[5:])[0])
+    parquet = b"".join(r.encode() + b"\n" for r in pq.read_table(out / "part-2.parquet").column("response").to_pylist())
+    assert normalized(parquet) == normalized(derendered(stack.engine, job, lines)[0])
+    summary = done.stderr.decode()
+    assert f"{2 * len(lines)} records from 3 inputs" in summary and summary.count("start-up: model") == 1
