@@ -80,6 +80,9 @@ if TYPE_CHECKING:
 
 LINES_PER_BLOCK = 256
 """Records per block read from a text input: the unit an actor takes."""
+LIGHT_TASK_CPUS = 0.25
+"""CPUs a read or keying task asks for: light work, and a whole CPU may be
+left on no node once the actors hold their fractions."""
 INSTALL_HINT = "pip install 'derender[ray]'"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 
@@ -347,7 +350,6 @@ def run_on_ray(
         context.enable_progress_bars = False
         cpus = float(ray.cluster_resources().get("CPU", 1))
         size = actors or max(1, int(cpus))
-        spread = {"scheduling_strategy": "SPREAD"}  # engines on every node
         # Leave a CPU for the read and write tasks, or the job hangs.
         actor_cpus = max(0.1, min(1.0, (cpus - 1) / size)) if cpus > 1 else 0.5
         whole = whole_stream_answers
@@ -362,16 +364,16 @@ def run_on_ray(
             compute = ActorPoolStrategy(size=size)
             if job.stream:
                 answered = (
-                    dataset.map_batches(_with_stream_key(job), batch_format="pyarrow")
+                    dataset.map_batches(_with_stream_key(job), batch_format="pyarrow", num_cpus=LIGHT_TASK_CPUS)
                     .groupby("stream")
                     .map_groups(Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                                compute=compute, num_cpus=actor_cpus, **spread)
+                                compute=compute, num_cpus=actor_cpus)
                     .sort("key")
                 )  # fmt: skip
             else:
                 answered = dataset.map_batches(
                     Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                    compute=compute, num_cpus=actor_cpus, **spread,
+                    compute=compute, num_cpus=actor_cpus,
                 )  # fmt: skip
             reports.append((input_path, _write(answered, job, open_writer, whole, input_path)))
     return reports, startup
@@ -387,8 +389,10 @@ def _read(ray: Any, path: str, job: Job) -> Any:
         # every actor (a repartition before an actor pool hangs on a
         # multi-node cluster in Ray 2.60).
         rows = pq.ParquetFile(path).metadata.num_rows
-        return ray.data.read_parquet(os.path.abspath(path), override_num_blocks=max(1, rows // LINES_PER_BLOCK))
-    return ray.data.read_datasource(_lines_datasource([os.path.abspath(path)]))
+        return ray.data.read_parquet(
+            os.path.abspath(path), override_num_blocks=max(1, rows // LINES_PER_BLOCK), num_cpus=LIGHT_TASK_CPUS
+        )
+    return ray.data.read_datasource(_lines_datasource([os.path.abspath(path)]), num_cpus=LIGHT_TASK_CPUS)
 
 
 def _write(
