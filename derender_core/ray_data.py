@@ -305,7 +305,8 @@ def ray_cluster(address: str | None) -> Iterator[tuple[Any, float]]:
             os.environ.setdefault("RAY_worker_niceness", "0")
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ray.init(
-            address=address,
+            # "local" starts a cluster of our own, never one left running here.
+            address=address or "local",
             num_cpus=None if address else usable_cpus(),
             include_dashboard=False,
             log_to_driver=False,
