@@ -126,7 +126,11 @@ def main() -> None:
     with WorkerPool(engine, 2) as pool:
         pipeline_seconds(engine, lines[:300], pool)  # warm-up
         two = pipeline_seconds(engine, lines, pool)
-    http = http_seconds(lines[: args.http_records]) * len(lines) / min(len(lines), args.http_records)
+    http = (
+        http_seconds(lines[: args.http_records]) * len(lines) / min(len(lines), args.http_records)
+        if args.http_records
+        else float("nan")
+    )
 
     rows = [
         ("floor: OnlineDerenderer.derender_chat", floor),

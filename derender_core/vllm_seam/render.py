@@ -17,6 +17,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,6 +52,13 @@ class DerenderEngine:
         )
 
         self._serving = serving
+        # The server hands the CPU-bound derender calls to the renderer's
+        # thread pool to keep its event loop free for other requests. Here
+        # calls come one at a time, so the hop to a thread and back (two
+        # context switches and a self-pipe wake-up per call, far worse on a
+        # busy machine) buys nothing: the same functions run inline. With no
+        # pool threads a fork needs no repair either.
+        serving.online_derenderer.renderer._executor._inner = _InlineExecutor()
         self.startup_seconds = startup_seconds
         self.live = live
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
@@ -229,12 +237,11 @@ class DerenderEngine:
     def after_fork(self) -> None:
         """Use the engine in a process forked from the one that built it.
 
-        The fork copied the renderer's thread pool but not its threads, so
-        work handed to it would wait forever; vLLM's own `replace_inner`
-        gives it a fresh pool. The event loop was closed before the fork
-        (`close`), so the child opens its own and shares no descriptors.
+        A fork copies memory, not threads: the renderer's work runs inline
+        (`_InlineExecutor`), so no pool thread is missing, and the event
+        loop was closed before the fork (`close`), so the child opens its
+        own and shares no descriptors. Nothing is left to repair.
         """
-        self._serving.online_derenderer.renderer._executor.replace_inner()
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run a handler coroutine on the engine's event loop."""
@@ -288,6 +295,18 @@ class DerenderEngine:
         """The answer one of the app's exception handlers gives for `exc`."""
         response = self._run(handler(_HANDLER_REQUEST, exc))
         return Answer(response.status_code, bytes(response.body))
+
+
+class _InlineExecutor(Executor):
+    """Runs submitted work at once, in the submitting thread."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 # vLLM's exception handlers read only ``request.app.state.args.log_error_stack``
