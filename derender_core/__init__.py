@@ -3,7 +3,7 @@
 Importing this package does not import vLLM; `DerenderEngine.build` does.
 """
 
-from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
+from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
 from .checks import check_body
 from .config import RenderConfig
 from .errors import (
@@ -47,6 +47,7 @@ __all__ = [
     "JsonlWriter",
     "LogKind",
     "Outcome",
+    "OutcomeSource",
     "OutputFile",
     "Record",
     "RecordProcessor",
@@ -54,6 +55,7 @@ __all__ = [
     "RenderConfig",
     "Report",
     "RequestIndex",
+    "Restored",
     "RunIncomplete",
     "SseWriter",
     "StreamAnswer",
