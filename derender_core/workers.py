@@ -4,8 +4,9 @@ input order.
 The engine is built once, in this process, and each worker is forked from
 it, so the start-up (imports, tokenizer, parsers) is paid once. A fork
 copies memory, not threads: the engine closes its event loop before the
-fork and each worker gives vLLM's renderer a fresh thread pool
-(`Derenderer.after_fork`); nothing else of vLLM's runs a thread by then.
+fork and runs vLLM's renderer work inline, so no thread is missing in a
+worker; `Derenderer.after_fork` is where a path that does hold threads
+would restore them.
 
 Each worker runs a `RecordProcessor`, the same unit `batch.run` runs in
 process. One-shot records go in small batches to the least busy worker.
