@@ -352,7 +352,8 @@ def _derender(
         {**{f"-o {out}" if len(plan) > 1 else "-o": out for _, out, _ in plan}, "--errors": errors_path},
     )  # fmt: skip
     for path in input_paths:
-        if path != "-" and not os.path.isfile(path):
+        # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
+        if path != "-" and not os.path.exists(path):
             raise InputError(f"cannot open input {path}: no such file")
     if scale.ray:
         summary = _derender_on_ray(config, plan, job_endpoint, requests_path, flags, scale, stream_format, live)
@@ -369,7 +370,9 @@ def _summarise(console: Console, summary: Summary, flags: RunFlags) -> None:
     for path, report in summary.reports:
         if report.unfinished is None:
             continue
-        written = "" if report.written is None else f"; {report.written:,} written in full"
+        output = summary.outputs.get(path, "-")
+        shown = "stdout" if output == "-" else output
+        written = "" if report.written is None else f"; {report.written:,} written in full to {shown}"
         where = f" ({path})" if len(summary.reports) > 1 else ""
         console.print(
             f"derender: the run could not finish{where}: {report.unfinished}. "
@@ -426,7 +429,7 @@ def _derender_here(
                 engine, job, input_path, output_path, directory, stream_format,
                 outcomes, stop, progress, scale.resume, flags, error_log,
             )  # fmt: skip
-            summary.add(input_path, report)
+            summary.add(input_path, report, output_path)
             if stop or report.unfinished is not None or report.stopped_at_failure:
                 break
     return summary
@@ -467,7 +470,8 @@ def _derender_on_ray(
             fail_fast=flags.fail_fast, error_log=error_log,
         )  # fmt: skip
     actors = sum(report.startup for _, report in reports)
-    return Summary(reports=reports, startup={"ray": startup, "actors": actors})
+    outputs = {path: output for path, output, _ in plan}
+    return Summary(reports=reports, startup={"ray": startup, "actors": actors}, outputs=outputs)
 
 
 def _derender_one(

@@ -116,10 +116,12 @@ class Summary:
     reports: list[tuple[str, Report]] = field(default_factory=list)
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds per start-up step: the model, the workers, a Ray cluster."""
-    outputs: list[str] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)
+    """Where each input's answers went (``-`` for stdout)."""
 
-    def add(self, input_path: str, report: Report) -> None:
+    def add(self, input_path: str, report: Report, output: str) -> None:
         self.reports.append((input_path, report))
+        self.outputs[input_path] = output
 
     @property
     def total(self) -> Report:

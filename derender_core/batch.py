@@ -294,11 +294,13 @@ def run(
     with tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=job.verbose):
         try:
             for record, outcome in answer_all(records):
+                # Counted before it is written: a record the output refused
+                # was still answered.
+                report.count(record, outcome)
                 writer.add(outcome.answer, outcome.facts)
                 if outcome.completed:
                     assert outcome.facts is not None
                     writer.complete(outcome.facts.request_id)
-                report.count(record, outcome)
                 if error_log is not None and not outcome.answer.ok:
                     error_log.add(record, outcome.answer, outcome.detail)
                 report.elapsed = time.perf_counter() - started

@@ -29,8 +29,10 @@ import functools
 import gc
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
+import sys
 import time
 import traceback
 import zlib
@@ -147,7 +149,7 @@ class WorkerPool:
 
         def send(worker: int) -> None:
             if batches[worker]:
-                self._inboxes[worker].put(batches[worker])
+                self._inboxes[worker].put(_pickled(batches[worker]))
                 batches[worker] = []
                 outstanding[worker] += 1
 
@@ -159,7 +161,25 @@ class WorkerPool:
                 outstanding[worker] -= 1
             return record, ready[worker].popleft()
 
-        for item in items:
+        def drain() -> Iterator[tuple[Record, Outcome]]:
+            for worker in range(size):
+                send(worker)
+            while order:
+                done, outcome = next_outcome()
+                if done is not None and outcome is not None:
+                    yield done, outcome
+
+        reading = iter(items)
+        while True:
+            try:
+                item = next(reading)
+            except StopIteration:
+                break
+            except Exception:
+                # The input broke (a truncated gzip, say): what was read
+                # before it is still answered and written, as in process.
+                yield from drain()
+                raise
             record = item.record if isinstance(item, Restored) else item
             if job.stream:
                 worker = zlib.crc32(orjson.dumps(stream_key(record, job))) % size
@@ -177,12 +197,7 @@ class WorkerPool:
                 done, outcome = next_outcome()
                 if done is not None and outcome is not None:
                     yield done, outcome
-        for worker in range(size):
-            send(worker)
-        while order:
-            done, outcome = next_outcome()
-            if done is not None and outcome is not None:
-                yield done, outcome
+        yield from drain()
 
     def _receive(self, worker: int) -> list[Outcome | None]:
         """The next batch of outcomes from `worker`, waiting as long as it
@@ -246,7 +261,7 @@ def _work(
         assert processor is not None
         try:
             results: list[_Wire | None] = []
-            for item in message:
+            for item in pickle.loads(message):
                 if isinstance(item, Restored):
                     processor.restore(item.record, item.answer)
                     results.append(None)
@@ -256,6 +271,20 @@ def _work(
             outbox.put(_Failed(index, traceback.format_exc()))
             return
         outbox.put(results)
+
+
+def _pickled(batch: list[Record | Restored]) -> bytes:
+    """A batch of records as bytes, pickled here rather than in the
+    queue's feeder thread, which drops what it cannot pickle and leaves the
+    run waiting for its answers. A body nested as deeply as the JSON
+    parser allows (about 1,000 levels) needs more recursion than pickle
+    gets by default; unpickling needs none."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4 * limit + 1000))
+    try:
+        return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def encode_outcome(outcome: Outcome, whole_stream_answers: bool) -> _Wire:
