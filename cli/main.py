@@ -1,16 +1,21 @@
 """The `derender` command: a thin Typer layer over `derender_core`.
 
 It parses flags, opens inputs and outputs, shows progress and the summary on
-stderr, and maps errors to exit codes: 0 all records fine, 1 some records
-got error records, 2 usage or configuration error (nothing processed).
+stderr, and exits with the status the core decides (`ExitStatus`): 0 all
+records fine, 1 some records got error records, 2 usage or configuration
+error (nothing processed), 3 the run could not finish (an input or output
+failed mid-run, a worker died), 128 + N stopped by signal N (Ctrl-C: 130).
 vLLM is imported only once a command runs, never for ``--help``.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+import io
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
@@ -24,20 +29,29 @@ from derender_core import (
     DerenderEngine,
     DerenderError,
     Endpoint,
+    ErrorLog,
+    ExitStatus,
     InputError,
     Job,
     JsonlWriter,
+    OutcomeSource,
     RenderConfig,
+    Report,
     RequestIndex,
+    RunIncomplete,
     SseWriter,
+    StreamFailure,
     Writer,
-    iter_records,
-    open_input,
     open_output,
+    refuse_overwriting,
     run,
 )
+from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
+from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
+from derender_core.resume import prepare_output, skip_answered
+from derender_core.workers import WorkerPool, usable_cpus
 
-from .progress import ProgressDisplay, print_summary
+from .progress import ProgressDisplay, Summary, print_summary
 
 app = typer.Typer(
     name="derender",
@@ -111,17 +125,22 @@ _RENDER_OPTIONS: dict[str, Any] = {
 }
 
 InputArg = Annotated[
-    str,
+    list[str],
     typer.Argument(
-        metavar="INPUT",
-        help="JSONL or SSE capture to read; - for stdin. Gzip is detected.",
+        metavar="INPUT...",
+        help="JSONL, SSE capture or .parquet to read; - for stdin. Gzip and zstd are detected. "
+        "Several inputs (shards) need -o DIR/: each gets DIR/<input name>.",
         show_default=False,
     ),
 ]
 OutputOpt = Annotated[
     str,
     typer.Option(
-        "--output", "-o", metavar="PATH", help="Where to write; - for stdout. A .gz path is gzipped."
+        "--output",
+        "-o",
+        metavar="PATH",
+        help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet path "
+        "gets Parquet rows; DIR/ gets one output per input, named after it.",
     ),
 ]
 RequestsOpt = Annotated[
@@ -133,7 +152,108 @@ RequestsOpt = Annotated[
         "prompt_token_ids, optional prompt_tokens and model), to join bare generate output by request_id.",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
+LenientOpt = Annotated[
+    bool,
+    typer.Option(
+        "--lenient",
+        help="Answer every record exactly as the render server would, bug for bug, "
+        "skipping derender's own checks. Risky: out-of-vocabulary token ids then "
+        "decode as nothing, true/false count as tokens 1/0, negative ids in stream "
+        "chunks and negative prompt_tokens pass, and bad or missing choice indices "
+        "go through, so an answer can look fine and have lost data.",
+    ),
+]
+FailFastOpt = Annotated[
+    bool, typer.Option("--fail-fast", help="Stop at the first failed record (exit 1).")
+]
+ErrorsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--errors",
+        metavar="FILE",
+        help="Also write each failed record to FILE (JSONL: input, line, record, "
+        "status, error), for triage. A .gz path is gzipped.",
+    ),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Show vLLM's log messages in full, and the traceback of any record "
+        "or failure that hit a bug.",
+    ),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        "-j",
+        min=1,
+        metavar="N",
+        help="Worker processes, forked after the model loads. 1 runs in this process. "
+        "Default: the CPU cores this process may use.",
+        show_default=False,
+    ),
+]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue the outputs an earlier, stopped run left: the records they hold are "
+        "skipped, the rest appended. JSONL (plain, .gz, .zst) and Parquet outputs.",
+    ),
+]
+RayOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="Run on a Ray cluster with Ray Data (pip install 'derender[ray]'); one engine per actor.",
+        rich_help_panel="Ray",
+    ),
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Cluster to join, as ray.init(address=...) takes it. Default: a local cluster.",
+        rich_help_panel="Ray",
+    ),
+]
+RayActorsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ray-actors",
+        min=1,
+        metavar="N",
+        help="Actors (engines) in the pool. Default: the cluster's CPUs less one, at least one.",
+        rich_help_panel="Ray",
+    ),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """How records are judged and reported: the flags every command shares."""
+
+    quiet: bool = False
+    lenient: bool = False
+    fail_fast: bool = False
+    errors: Path | None = None
+    verbose: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How a command runs: where, on how many workers, resuming or not."""
+
+    workers: int | None = None
+    resume: bool = False
+    ray: bool = False
+    ray_address: str | None = None
+    ray_actors: int | None = None
 
 
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
@@ -150,18 +270,42 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         config_path = kwargs.pop("config")
         flags = {name: kwargs.pop(name) for name in _RENDER_OPTIONS if name != "config"}
         console = Console(stderr=True, highlight=False, soft_wrap=True)
+        verbose = bool(kwargs.get("verbose"))
         try:
             config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
             config = config.overridden_by(flags)
             code = command(config=config, console=console, **kwargs)
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)
-            raise typer.Exit(2) from None
+            raise typer.Exit(exc.exit_status) from None
+        except KeyboardInterrupt:
+            # A second Ctrl-C: stop at once; whole lines are written whole.
+            console.print("derender: aborted", markup=False)
+            _discard_stdout()
+            raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly, as shell tools
             # do, and keep Python's exit-time flush from failing again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _discard_stdout()
             raise typer.Exit(141) from None
+        except StreamFailure as exc:
+            # Closing an output failed after the run (a gzip trailer on a full disk).
+            console.print(f"derender: the run could not finish: {exc}", markup=False)
+            _discard_stdout()
+            raise typer.Exit(exc.exit_status) from None
+        except Exception as exc:
+            # Not the input's fault: a bug. The exit status says the run
+            # could not finish, never "some records failed".
+            if verbose:
+                console.print(traceback.format_exc(), markup=False)
+            console.print(
+                f"derender: internal error, the run could not finish: {type(exc).__name__}: {exc}"
+                + ("" if verbose else " (--verbose shows the traceback)"),
+                markup=False,
+            )
+            raise typer.Exit(ExitStatus.INCOMPLETE) from None
+        if code == ExitStatus.INCOMPLETE:
+            _discard_stdout()
         raise typer.Exit(code)
 
     wrapper.__signature__ = inspect.Signature([p for p in own if p.name != "console"] + extra)  # type: ignore[attr-defined]
@@ -172,46 +316,236 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's exit-time flush of bytes
+    a closed pipe or a full disk refused does not fail a second time."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        stdout = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout)
+        os.close(devnull)
+
+
 def _derender(
     config: RenderConfig,
     console: Console,
-    input_path: str,
+    input_paths: list[str],
     output: str,
     job_endpoint: Endpoint,
     requests_path: Path | None,
-    quiet: bool,
+    flags: RunFlags,
+    scale: Scale,
     stream_format: OutputFormat | None = None,
     live: bool = False,
 ) -> int:
-    """Open everything the run needs, cheapest checks first, then run it."""
-    directory = _sse_directory(output, stream_format)
+    """Open everything the run needs, cheapest checks first, then run it:
+    each input in turn, on one engine (and one pool of workers)."""
+    plan = _plan_outputs(input_paths, output, stream_format, scale.resume)
+    errors_path = str(flags.errors) if flags.errors is not None else None
+    if errors_path == "-":
+        raise InputError("--errors needs a file path: stdout carries the output")
+    refuse_overwriting(
+        {
+            **{f"INPUT {path}" if len(plan) > 1 else "INPUT": path for path, _, _ in plan},
+            "--requests": None if requests_path is None else str(requests_path),
+        },
+        {**{f"-o {out}" if len(plan) > 1 else "-o": out for _, out, _ in plan}, "--errors": errors_path},
+    )  # fmt: skip
+    for path in input_paths:
+        # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
+        if path != "-" and not os.path.exists(path):
+            raise InputError(f"cannot open input {path}: no such file")
+    if scale.ray:
+        summary = _derender_on_ray(config, plan, job_endpoint, requests_path, flags, scale, stream_format, live)
+    else:
+        summary = _derender_here(config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live)
+    _summarise(console, summary, flags)
+    return summary.return_code
+
+
+def _summarise(console: Console, summary: Summary, flags: RunFlags) -> None:
+    """The summary, unless --quiet; a run that could not finish says so even then."""
+    if not flags.quiet:
+        print_summary(console, summary, verbose=flags.verbose)
+    for path, report in summary.reports:
+        if report.unfinished is None:
+            continue
+        output = summary.outputs.get(path, "-")
+        shown = "stdout" if output == "-" else output
+        written = "" if report.written is None else f"; {report.written:,} written in full to {shown}"
+        where = f" ({path})" if len(summary.reports) > 1 else ""
+        console.print(
+            f"derender: the run could not finish{where}: {report.unfinished}. "
+            f"{report.records:,} records were answered{written}.",
+            markup=False,
+        )
+
+
+def _derender_here(
+    config: RenderConfig,
+    plan: list[tuple[str, str, Path | None]],
+    job_endpoint: Endpoint,
+    requests_path: Path | None,
+    flags: RunFlags,
+    console: Console,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+) -> Summary:
+    """On this machine: one engine, forked into workers, for every input."""
+    summary = Summary()
     with contextlib.ExitStack() as resources:
-        source = resources.enter_context(open_input(input_path))
         requests = None
         if requests_path is not None:
             requests = RequestIndex(str(requests_path))
             resources.callback(requests.close)
-        progress = resources.enter_context(ProgressDisplay(console, enabled=not quiet))
+        error_log = None
+        if flags.errors is not None:
+            error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
+        progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
         progress.loading(config.model or "")
         engine = DerenderEngine.build(config, live=live)
         resources.callback(engine.close)
-        job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
-        writer = resources.enter_context(
-            _open_writer(output, directory, stream_format, job_endpoint, engine)
+        summary.startup["model"] = engine.startup_seconds
+        job = Job(
+            endpoint=job_endpoint,
+            stream=stream_format is not None,
+            requests=requests,
+            lenient=flags.lenient,
+            verbose=flags.verbose,
         )
-        report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
-    if not quiet:
-        print_summary(console, report, engine.startup_seconds)
-    return report.return_code
+        workers = scale.workers or usable_cpus()
+        outcomes = None
+        if workers > 1:
+            pool = resources.enter_context(WorkerPool(engine, workers, requests))
+            summary.startup[f"{workers} workers"] = pool.startup_seconds
+            whole = stream_format in (None, OutputFormat.jsonl)
+            outcomes = pool.answering(job, whole_stream_answers=whole)
+        stop = resources.enter_context(stop_on_signals(progress.stopping))
+        for input_path, output_path, directory in plan:
+            if error_log is not None:
+                error_log.input_name = input_path
+            report = _derender_one(
+                engine, job, input_path, output_path, directory, stream_format,
+                outcomes, stop, progress, scale.resume, flags, error_log,
+            )  # fmt: skip
+            summary.add(input_path, report, output_path)
+            if stop or report.unfinished is not None or report.stopped_at_failure:
+                break
+    return summary
 
 
-def _sse_directory(output: str, stream_format: OutputFormat | None) -> Path | None:
-    """``-o DIR/`` (or an existing directory) asks for one file per request."""
-    if output == "-" or not (output.endswith("/") or Path(output).is_dir()):
-        return None
-    if stream_format is not OutputFormat.sse:
-        raise InputError(f"-o {output} is a directory; only --format sse writes one file per request")
-    return Path(output)
+def _derender_on_ray(
+    config: RenderConfig,
+    plan: list[tuple[str, str, Path | None]],
+    endpoint: Endpoint,
+    requests_path: Path | None,
+    flags: RunFlags,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+) -> Summary:
+    """``--ray``: the cluster reads and answers, this process writes."""
+    from derender_core.ray_data import import_ray, run_on_ray
+
+    import_ray()  # fails at start-up, with the install command, without Ray
+    if requests_path is not None:
+        raise InputError("--requests is not supported with --ray: put derender bodies in the input")
+    if scale.resume:
+        raise InputError("--resume is not supported with --ray: start afresh, or resume locally")
+    if "-" in (path for path, _, _ in plan):
+        raise InputError("--ray reads files the cluster can reach, not stdin")
+    job = Job(endpoint=endpoint, stream=stream_format is not None, lenient=flags.lenient, verbose=flags.verbose)
+    openers = [
+        (path, functools.partial(_open_writer, output, directory, stream_format, endpoint, DerenderEngine))
+        for path, output, directory in plan
+    ]
+    with contextlib.ExitStack() as resources:
+        error_log = None
+        if flags.errors is not None:
+            error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
+        reports, startup = run_on_ray(
+            config, job, openers, address=scale.ray_address, actors=scale.ray_actors,
+            whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live,
+            fail_fast=flags.fail_fast, error_log=error_log,
+        )  # fmt: skip
+    actors = sum(report.startup for _, report in reports)
+    outputs = {path: output for path, output, _ in plan}
+    return Summary(reports=reports, startup={"ray": startup, "actors": actors}, outputs=outputs)
+
+
+def _derender_one(
+    engine: DerenderEngine,
+    job: Job,
+    input_path: str,
+    output: str,
+    directory: Path | None,
+    stream_format: OutputFormat | None,
+    outcomes: OutcomeSource | None,
+    stop: StopRequest,
+    progress: ProgressDisplay,
+    resume: bool,
+    flags: RunFlags,
+    error_log: ErrorLog | None,
+) -> Report:
+    """Derender one input into one output."""
+    done = prepare_output(output) if resume else 0
+    with contextlib.ExitStack() as resources:
+        source = resources.enter_context(open_records(input_path, job))
+        writer = resources.enter_context(
+            _open_writer(output, directory, stream_format, job.endpoint, engine, append=done > 0)
+        )
+        records: Any = until_stopped(source.records, stop)
+        if done:
+            records = skip_answered(records, done, answers_in(output) if job.stream else None)
+        progress.start_input(input_path, source, done)
+        try:
+            report = run(
+                engine, records, job, writer,
+                on_progress=progress.update, outcomes=outcomes,
+                fail_fast=flags.fail_fast, error_log=error_log,
+            )  # fmt: skip
+        except RunIncomplete as incomplete:
+            report = incomplete.report
+    report.stopped_by = stop.signal
+    report.resumed = done
+    return report
+
+
+def _plan_outputs(
+    input_paths: list[str], output: str, stream_format: OutputFormat | None, resume: bool
+) -> list[tuple[str, str, Path | None]]:
+    """Each input with its output path, and the directory for per-request
+    SSE files (one input, ``--format sse``, ``-o DIR/``)."""
+    try:
+        is_directory = output != "-" and (output.endswith("/") or Path(output).is_dir())
+    except OSError as exc:
+        raise InputError(f"cannot use -o {output}: {exc.strerror or exc}") from None
+    if resume and output == "-":
+        raise InputError("--resume continues an output file: pass -o FILE or -o DIR/")
+    if resume and stream_format not in (None, OutputFormat.jsonl):
+        raise InputError(
+            "--resume continues JSONL or Parquet outputs, one record per line; "
+            f"--format {stream_format.value if stream_format else ''} output is written per request"
+        )
+    if not is_directory:
+        if len(input_paths) > 1:
+            raise InputError(
+                f"{len(input_paths)} inputs need an output directory (-o DIR/), one output per input"
+            )
+        if is_parquet(output) and stream_format not in (None, OutputFormat.jsonl):
+            raise InputError("a .parquet output holds one row per record: use --format jsonl")
+        return [(input_paths[0], output, None)]
+    if len(input_paths) == 1 and stream_format is OutputFormat.sse:
+        if resume:
+            raise InputError("--resume continues JSONL or Parquet outputs, not per-request SSE files")
+        return [(input_paths[0], output, Path(output))]
+    if "-" in input_paths:
+        raise InputError("-o DIR/ names each output after its input, and stdin has no name")
+    names = [output_name(path, stream_format.value if stream_format else None) for path in input_paths]
+    if len(set(names)) < len(names):
+        raise InputError("two inputs would write the same output name in " + output)
+    return [(path, str(Path(output) / name), None) for path, name in zip(input_paths, names, strict=True)]
 
 
 @contextlib.contextmanager
@@ -221,13 +555,20 @@ def _open_writer(
     stream_format: OutputFormat | None,
     endpoint: Endpoint,
     engine: Any,
+    append: bool = False,
 ) -> Iterator[Writer]:
     """The writer for the output format, over the opened output."""
     if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"cannot write to {directory}/: {exc.strerror or exc}") from None
         yield SseWriter(directory=directory)
         return
-    with open_output(output) as target:
+    if is_parquet(output):
+        yield ParquetWriter(output, resume=append)
+        return
+    with open_output(output, append=append) as target:
         if stream_format is OutputFormat.sse:
             yield SseWriter(target=target)
         elif stream_format is OutputFormat.assembled:
@@ -244,12 +585,23 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         input_path: InputArg,
         output: OutputOpt = "-",
         requests: RequestsOpt = None,
+        lenient: LenientOpt = False,
+        fail_fast: FailFastOpt = False,
+        errors: ErrorsOpt = None,
+        verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
+        workers: WorkersOpt = None,
+        resume: ResumeOpt = False,
+        ray: RayOpt = False,
+        ray_address: RayAddressOpt = None,
+        ray_actors: RayActorsOpt = None,
         *,
         config: RenderConfig,
         console: Console,
     ) -> int:
-        return _derender(config, console, input_path, output, endpoint, requests, quiet)
+        flags = RunFlags(quiet, lenient, fail_fast, errors, verbose)
+        scale = Scale(workers, resume, ray, ray_address, ray_actors)
+        return _derender(config, console, input_path, output, endpoint, requests, flags, scale)
 
     command.__doc__ = doc
     return with_render_options(command)
@@ -289,7 +641,9 @@ def stream(
             "--output",
             "-o",
             metavar="PATH",
-            help="Where to write; - for stdout; DIR/ for one .sse file per request.",
+            help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet "
+            "path gets Parquet rows (--format jsonl). DIR/: with one input and --format sse, "
+            "one .sse file per request; otherwise one output per input, named after it.",
         ),
     ] = "-",
     output_format: Annotated[
@@ -315,7 +669,16 @@ def stream(
         Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")
     ] = Endpoint.CHAT,
     requests: RequestsOpt = None,
+    lenient: LenientOpt = False,
+    fail_fast: FailFastOpt = False,
+    errors: ErrorsOpt = None,
+    verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
+    workers: WorkersOpt = None,
+    resume: ResumeOpt = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_actors: RayActorsOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -335,7 +698,8 @@ def stream(
         output,
         endpoint,
         requests,
-        quiet,
+        RunFlags(quiet, lenient, fail_fast, errors, verbose),
+        Scale(workers, resume, ray, ray_address, ray_actors),
         stream_format=output_format,
         live=mode is StreamMode.live,
     )
