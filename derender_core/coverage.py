@@ -140,7 +140,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     ),
     _cut("qwen3", "hermes", "no call"),
     _cut("deepseek_v4", "deepseek_v4", "`{}`"),
-    _cut("deepseek_v3", "deepseek_v3", "no call"),
+    _cut("deepseek_v3", "deepseek_v3", "no call, and drops the call from the content"),
     KnownIssue(
         "deepseek_v3",
         ("tool", "deepseek_v3"),
@@ -151,12 +151,12 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         "deepseek_v31",
         ("reasoning", "deepseek_v3"),
-        "with thinking on and tools in the request, the stream sends the reasoning and `</think>` as content",
-        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools",
+        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
+        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
         ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
          "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
     ),  # fmt: skip
-    _cut("deepseek_v31", "deepseek_v31", "no call"),
+    _cut("deepseek_v31", "deepseek_v31", "no call, and drops the call from the content"),
     KnownIssue(
         "deepseek_v31",
         ("tool", "deepseek_v31"),
@@ -167,8 +167,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         "deepseek_v32",
         ("reasoning", "deepseek_v3"),
-        "with thinking on and tools in the request, the stream sends the reasoning and `</think>` as content",
-        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools",
+        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
+        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
         ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
          "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
     ),  # fmt: skip

@@ -6,9 +6,9 @@ server is started with the same flags, and the family's corpus
 (`sample_inputs.family_plans`) goes through both, one-shot and streaming.
 Live streaming must give what replay gives, call for call.
 
-One family's server and engine are alive at a time: the fixture is
-module-scoped and parametrized, so pytest tears one family down before the
-next starts. The three families the rest of the suite shares come from
+One family's engine is alive at a time: the fixture is module-scoped and
+parametrized, so pytest tears one family down before the next starts; the
+next family's server starts while the current one runs (`FamilyServers`). The three families the rest of the suite shares come from
 conftest's session stacks and run last.
 
 Where vLLM's own one-shot and streaming paths disagree, a test here pins
@@ -86,21 +86,68 @@ def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDirs:
     return ModelDirs(tmp_path_factory.mktemp("family-models"))
 
 
-@pytest.fixture(scope="module", params=[case.key for case in FAMILIES])
-def family(
+class FamilyServers:
+    """Each family's render server, started with empty tokenizer caches of
+    its own and no way out to the network. Start-up is most of a family's
+    time, so taking one family's server starts the next family's (in the
+    order the session runs them): at most two are alive."""
+
+    def __init__(self, order: list[str], model_dirs: ModelDirs, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.order = order
+        self.model_dirs = model_dirs
+        self.tmp_path_factory = tmp_path_factory
+        self.logs = tmp_path_factory.mktemp("logs")
+        self.waiting: dict[str, RenderServer] = {}
+
+    def _start(self, key: str) -> RenderServer:
+        config = render_config(CASES[key], self.model_dirs(key))
+        env = empty_cache_env(self.tmp_path_factory.mktemp("empty-cache"))
+        return RenderServer(config, self.logs / f"{key}-server.log", env=env, wait=False)
+
+    def take(self, key: str) -> RenderServer:
+        """`key`'s server, perhaps still starting; the caller stops it."""
+        server = self.waiting.pop(key, None) or self._start(key)
+        position = self.order.index(key) if key in self.order else len(self.order)
+        following = self.order[position + 1] if position + 1 < len(self.order) else None
+        for other in [other for other in self.waiting if other != following]:
+            self.waiting.pop(other).stop()
+        if following is not None and following not in self.waiting:
+            self.waiting[following] = self._start(following)
+        return server
+
+    def close(self) -> None:
+        for server in self.waiting.values():
+            server.stop()
+        self.waiting.clear()
+
+
+@pytest.fixture(scope="session")
+def family_servers(
     request: pytest.FixtureRequest, family_model_dir: ModelDirs, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    """One family's engine and render server, the server started with
-    empty tokenizer caches and no way out to the network."""
+) -> Iterator[FamilyServers]:
+    # The families this session runs, in its order (only those -k kept).
+    order: list[str] = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        key = callspec.params.get("family") if callspec is not None else None
+        if key is not None and key not in SHARED_STACKS and key not in order:
+            order.append(key)
+    servers = FamilyServers(order, family_model_dir, tmp_path_factory)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="module", params=[case.key for case in FAMILIES])
+def family(request: pytest.FixtureRequest, family_model_dir: ModelDirs) -> Iterator[Stack]:
+    """One family's engine and render server."""
     case: FamilyCase = CASES[request.param]
     if case.key in SHARED_STACKS:
+        request.getfixturevalue("family_servers").close()
         yield request.getfixturevalue(f"{case.key}_stack")
         return
     model_dir = family_model_dir(case.key)
     config = render_config(case, model_dir)
-    logs = tmp_path_factory.mktemp("logs")
-    env = empty_cache_env(tmp_path_factory.mktemp("empty-cache"))
-    server = RenderServer(config, logs / f"{case.key}-server.log", env=env, wait=False)
+    server = request.getfixturevalue("family_servers").take(case.key)
     try:
         # The session's tokenizer caches are empty (conftest); downloads fail.
         with pytest.MonkeyPatch.context() as offline:
@@ -279,8 +326,13 @@ def test_one_shot_strips_the_text_before_tool_calls(family: Stack, run: Run) -> 
     assert normalize(streamed["tool_calls"]) == normalize(whole["tool_calls"])
 
 
+DROPS_THE_CUT_CALL = "no call, and the content drops it"
+"""One-shot: the parser found the call's start but no whole call, so it
+returns no call and only the text before it (DeepSeek V3/V3.1)."""
+
 CUT_AT_LENGTH = {
-    # family: (one-shot arguments, None for no call; the stream's arguments)
+    # family: (one-shot arguments, None for no call with the markup kept in
+    # the content, or DROPS_THE_CUT_CALL; the stream's arguments)
     "glm45": ("{}", '{"city": "Par'),
     "glm47": ("{}", '{"city": "Par'),
     "qwen3_coder": ("{}", '{"city": "Par'),
@@ -291,8 +343,8 @@ CUT_AT_LENGTH = {
     "qwen3_json": (None, '{"city": "Par'),
     "mistral": (None, '{"city": "Par'),
     "pythonic": (None, '{"city": "Par'),
-    "deepseek_v3": (None, '{"city": "Par'),
-    "deepseek_v31": (None, '{"city": "Par'),
+    "deepseek_v3": (DROPS_THE_CUT_CALL, '{"city": "Par'),
+    "deepseek_v31": (DROPS_THE_CUT_CALL, '{"city": "Par'),
     "llama3": (None, '{"city": "Par"}'),
     "xlam": (None, ""),
 }
@@ -302,14 +354,17 @@ CUT_AT_LENGTH = {
 def test_tool_call_cut_at_length(family: Stack, run: Run) -> None:
     """vLLM 0.33: a tool call cut at ``length`` inside its first argument.
     The stream has already sent the call and its partial arguments; the
-    one-shot answer has either a call with ``{}`` or no call at all (the
-    markup stays in the content)."""
+    one-shot answer has a call with ``{}``, or no call at all, with the
+    markup kept in the content or (DeepSeek V3/V3.1) dropped from it."""
     one_shot_arguments, streamed_arguments = CUT_AT_LENGTH[family.name]
     whole, streamed = _messages(run, "family-cut-at-length")
     assert run.one_shot["family-cut-at-length"]["choices"][0]["finish_reason"] == "length"
-    assert _arguments(whole) == ([] if one_shot_arguments is None else [one_shot_arguments])
+    no_call = one_shot_arguments in (None, DROPS_THE_CUT_CALL)
+    assert _arguments(whole) == ([] if no_call else [one_shot_arguments])
     if one_shot_arguments is None:
         assert "Par" in (whole["content"] or "")
+    if one_shot_arguments == DROPS_THE_CUT_CALL:
+        assert whole["content"].strip() == FAMILY_TEXT.strip()
     assert _arguments(streamed) == [streamed_arguments]
 
 
@@ -399,17 +454,17 @@ def test_blank_line_before_tool_calls_is_content_only_in_the_stream(family: Stac
 
 
 @pytest.mark.parametrize("family", ["deepseek_v31", "deepseek_v32"], indirect=True)
-def test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools(family: Stack, run: Run) -> None:
-    """vLLM 0.33, ``--reasoning-parser deepseek_v3`` with thinking on (the
-    deployment's default chat-template kwargs): when the request has tools,
-    the stream sends the reasoning and </think> as content; one-shot splits
-    it. A request without tools splits in both."""
+def test_deepseek_v3_reasoning_is_not_split_in_streams(family: Stack, run: Run) -> None:
+    """vLLM 0.33, ``--reasoning-parser deepseek_v3`` with thinking on from
+    the deployment's default chat-template kwargs: the stream sends the
+    reasoning and </think> as content, with or without tools in the
+    request; one-shot splits it. The render server streams the same."""
     whole, streamed = _messages(run, "family-tool-call")
     assert whole["reasoning"] == FAMILY_REASONING
     assert whole["content"].startswith(FAMILY_TEXT)
     assert streamed.get("reasoning") is None
     assert streamed["content"] == FAMILY_REASONING + "</think>" + whole["content"]
-    # The same answer without tools.
+    # The same answer without tools: not split either, as the server does.
     b = family.builder
     messages = [{"role": "user", "content": "Hi!"}]
     plan = StreamPlan(
@@ -419,10 +474,13 @@ def test_deepseek_v3_reasoning_is_not_split_in_streams_with_tools(family: Stack,
         choices=[chunks_of(b.encode(b.answer(FAMILY_TEXT, reasoning=FAMILY_REASONING)) + b.stop_ids(), [2])],
         usage=False,
     )
-    answers, _ = jsonl_answers(family.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in stream_bodies(b, [plan])])
+    bodies = stream_bodies(b, [plan])
+    answers, _ = jsonl_answers(family.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in bodies])
+    server = server_stream_answers(family.server, Endpoint.CHAT, bodies)
+    assert [normalize(answer) for answer in answers] == [normalize(expected) for _, expected in server]
     deltas = [answer["chunk"]["choices"][0]["delta"] for answer in answers]
-    assert "".join(delta.get("reasoning") or "" for delta in deltas) == FAMILY_REASONING
-    assert "".join(delta.get("content") or "" for delta in deltas) == FAMILY_TEXT
+    assert "".join(delta.get("reasoning") or "" for delta in deltas) == ""
+    assert "".join(delta.get("content") or "" for delta in deltas).startswith(FAMILY_REASONING + "</think>")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v31"], indirect=True)
