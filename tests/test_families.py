@@ -27,6 +27,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,34 +91,46 @@ class FamilyServers:
     """Each family's render server, started with empty tokenizer caches of
     its own and no way out to the network. Start-up is most of a family's
     time, so taking one family's server starts the next family's (in the
-    order the session runs them): at most two are alive."""
+    order the session runs them) in the background, model directory
+    included, while this process builds the current family's engine: at
+    most two servers are alive."""
 
     def __init__(self, order: list[str], model_dirs: ModelDirs, tmp_path_factory: pytest.TempPathFactory) -> None:
         self.order = order
         self.model_dirs = model_dirs
         self.tmp_path_factory = tmp_path_factory
         self.logs = tmp_path_factory.mktemp("logs")
-        self.waiting: dict[str, RenderServer] = {}
+        self.waiting: dict[str, Future[RenderServer]] = {}
+        self.starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="family-server")
 
     def _start(self, key: str) -> RenderServer:
-        config = render_config(CASES[key], self.model_dirs(key))
+        model_dir = self.model_dirs.root / key
+        if not (model_dir / "config.json").exists():
+            # In a process of its own: the conversion holds the GIL.
+            subprocess.run(
+                [sys.executable, "-m", "tests.families", str(model_dir), key],
+                check=True, capture_output=True, cwd=REPO, env=offline_env(),
+            )  # fmt: skip
         env = empty_cache_env(self.tmp_path_factory.mktemp("empty-cache"))
-        return RenderServer(config, self.logs / f"{key}-server.log", env=env, wait=False)
+        return RenderServer(render_config(CASES[key], model_dir), self.logs / f"{key}-server.log", env=env, wait=False)
 
     def take(self, key: str) -> RenderServer:
-        """`key`'s server, perhaps still starting; the caller stops it."""
-        server = self.waiting.pop(key, None) or self._start(key)
+        """`key`'s server, perhaps still starting, its model directory
+        built; the caller stops it."""
+        started = self.waiting.pop(key, None)
+        server = started.result() if started is not None else self._start(key)
         position = self.order.index(key) if key in self.order else len(self.order)
         following = self.order[position + 1] if position + 1 < len(self.order) else None
         for other in [other for other in self.waiting if other != following]:
-            self.waiting.pop(other).stop()
+            self.waiting.pop(other).result().stop()
         if following is not None and following not in self.waiting:
-            self.waiting[following] = self._start(following)
+            self.waiting[following] = self.starter.submit(self._start, following)
         return server
 
     def close(self) -> None:
-        for server in self.waiting.values():
-            server.stop()
+        for started in self.waiting.values():
+            if started.exception() is None:  # one that failed to start is reported where it is taken
+                started.result().stop()
         self.waiting.clear()
 
 
@@ -135,6 +148,7 @@ def family_servers(
     servers = FamilyServers(order, family_model_dir, tmp_path_factory)
     yield servers
     servers.close()
+    servers.starter.shutdown()
 
 
 @pytest.fixture(scope="module", params=[case.key for case in FAMILIES])
@@ -145,9 +159,9 @@ def family(request: pytest.FixtureRequest, family_model_dir: ModelDirs) -> Itera
         request.getfixturevalue("family_servers").close()
         yield request.getfixturevalue(f"{case.key}_stack")
         return
+    server = request.getfixturevalue("family_servers").take(case.key)
     model_dir = family_model_dir(case.key)
     config = render_config(case, model_dir)
-    server = request.getfixturevalue("family_servers").take(case.key)
     try:
         # The session's tokenizer caches are empty (conftest); downloads fail.
         with pytest.MonkeyPatch.context() as offline:
