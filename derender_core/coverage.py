@@ -113,6 +113,27 @@ def _cut(case: str, parser: str, one_shot: str) -> KnownIssue:
     return KnownIssue(case, ("tool", parser), f"{_CUT_SHORT} {one_shot}", _PINS + _CUT, ("family-cut-at-length",))
 
 
+def _blank_line(case: str, parser: str) -> KnownIssue:
+    return KnownIssue(
+        case,
+        ("tool", parser),
+        "no text before the calls: one-shot `content: null`, the stream sends the blank line as content",
+        _PINS + _BLANK_LINE,
+        ("family-unicode-arguments",),
+    )
+
+
+def _deepseek_v3_reasoning_not_split(case: str) -> KnownIssue:
+    return KnownIssue(
+        case,
+        ("reasoning", "deepseek_v3"),
+        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
+        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
+        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
+         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
+    )  # fmt: skip
+
+
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     _stripped("glm45", "glm45"),
     _cut("glm45", "glm45", "`{}`"),
@@ -124,13 +145,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     _stripped("qwen3_xml", "qwen3_xml"),
     _cut("qwen3_xml", "qwen3_xml", "`{}`"),
     _cut("qwen3_json", "qwen3_json", "no call"),
-    KnownIssue(
-        "qwen3_json",
-        ("tool", "qwen3_json"),
-        "no text before the calls: one-shot `content: null`, the stream sends the blank line as content",
-        _PINS + _BLANK_LINE,
-        ("family-unicode-arguments",),
-    ),
+    _blank_line("qwen3_json", "qwen3_json"),
     KnownIssue(
         "qwen3",
         ("tool", "hermes"),
@@ -141,21 +156,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     _cut("qwen3", "hermes", "no call"),
     _cut("deepseek_v4", "deepseek_v4", "`{}`"),
     _cut("deepseek_v3", "deepseek_v3", "no call, and drops the call from the content"),
-    KnownIssue(
-        "deepseek_v3",
-        ("tool", "deepseek_v3"),
-        "no text before the calls: one-shot `content: null`, the stream sends the blank line as content",
-        _PINS + _BLANK_LINE,
-        ("family-unicode-arguments",),
-    ),
-    KnownIssue(
-        "deepseek_v31",
-        ("reasoning", "deepseek_v3"),
-        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
-        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
-        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
-         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
-    ),  # fmt: skip
+    _blank_line("deepseek_v3", "deepseek_v3"),
+    _deepseek_v3_reasoning_not_split("deepseek_v31"),
     _cut("deepseek_v31", "deepseek_v31", "no call, and drops the call from the content"),
     KnownIssue(
         "deepseek_v31",
@@ -164,14 +166,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         _PINS + "test_deepseek_v31_stream_cuts_the_end_of_the_first_of_two_calls",
         ("family-two-tool-calls",),
     ),
-    KnownIssue(
-        "deepseek_v32",
-        ("reasoning", "deepseek_v3"),
-        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
-        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
-        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
-         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
-    ),  # fmt: skip
+    _deepseek_v3_reasoning_not_split("deepseek_v32"),
     _cut("deepseek_v32", "deepseek_v32", "`{}`"),
     KnownIssue(
         "kimi_k2",

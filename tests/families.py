@@ -24,6 +24,7 @@ from typing import Any
 from derender_core import RenderConfig
 from derender_core.coverage import FAMILIES, FamilyCase
 from tests.model_factory import (
+    DEEPSEEK_MESSAGES_TEMPLATE,
     QWEN3_NON_SPECIAL,
     added_tokens_decoder,
     build_deepseek_v4,
@@ -174,17 +175,19 @@ GEMMA4_CHAT_TEMPLATE = r"""{{ bos_token }}
 {%- if add_generation_prompt -%}<|turn>model
 {% endif -%}"""
 
-# ChatML with Qwen3-Coder's XML calls; the think switch as Qwen3's.
-QWEN3_CODER_CHAT_TEMPLATE = (
-    r"""{%- if tools -%}<|im_start|>system
+def _qwen_xml_template(unless_thinking_off: str) -> str:
+    """ChatML with Qwen3-Coder's XML calls and Qwen3's think switch;
+    `unless_thinking_off` is what the generation prompt opens otherwise."""
+    return (
+        r"""{%- if tools -%}<|im_start|>system
 # Tools
 
 You have access to the following functions:
 
 <tools>
 """
-    + _TOOLS_JSON
-    + r"""</tools>
+        + _TOOLS_JSON
+        + r"""</tools>
 
 If you choose to call a function ONLY reply in the following format with NO suffix:
 
@@ -205,45 +208,16 @@ value_1
 
 </think>
 
-{% endif -%}
+"""
+        + unless_thinking_off
+        + r"""{% endif -%}
 {%- endif -%}"""
-)
+    )
 
+
+QWEN3_CODER_CHAT_TEMPLATE = _qwen_xml_template("")
 # Qwen3.5/3.6 think by default: the generation prompt opens <think>.
-QWEN36_CHAT_TEMPLATE = (
-    r"""{%- if tools -%}<|im_start|>system
-# Tools
-
-You have access to the following functions:
-
-<tools>
-"""
-    + _TOOLS_JSON
-    + r"""</tools>
-
-If you choose to call a function ONLY reply in the following format with NO suffix:
-
-<tool_call>
-<function=example_function_name>
-<parameter=example_parameter_1>
-value_1
-</parameter>
-</function>
-</tool_call><|im_end|>
-{% endif -%}
-{%- for message in messages -%}
-<|im_start|>{{ 'user' if message.role == 'tool' else message.role }}
-{{ message.content }}<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif -%}
-{%- endif -%}"""
-)
+QWEN36_CHAT_TEMPLATE = _qwen_xml_template("{% else %}<think>\n")
 
 XLAM_CHAT_TEMPLATE = (
     r"""<|im_start|>system
@@ -313,17 +287,15 @@ DEEPSEEK_V3_CHAT_TEMPLATE = r"""{{- bos_token }}
 {% endif -%}"""
 
 # DeepSeek V3.1/V3.2: the thinking switch picks <think> or </think>.
-DEEPSEEK_V31_CHAT_TEMPLATE = r"""{{- bos_token }}
+DEEPSEEK_V31_CHAT_TEMPLATE = (
+    r"""{{- bos_token }}
 {%- if tools -%}## Tools
 {% for tool in tools %}{{ tool | tojson }}
 {% endfor %}{%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'system' -%}{{ message.content }}
-{%- elif message.role == 'user' -%}<｜User｜>{{ message.content }}
-{%- elif message.role == 'assistant' -%}<｜Assistant｜></think>{{ message.content or '' }}<｜end▁of▁sentence｜>
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}<｜Assistant｜>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{%- endif -%}"""
+"""
+    + DEEPSEEK_MESSAGES_TEMPLATE
+    + r"""{%- if add_generation_prompt -%}<｜Assistant｜>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{%- endif -%}"""
+)
 
 
 # --- tool call markup --------------------------------------------------------

@@ -127,14 +127,21 @@ LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
 
 {% endif -%}"""
 
-DEEPSEEK_CHAT_TEMPLATE = r"""{{- bos_token }}
-{%- for message in messages -%}
+# The messages of a DeepSeek chat, shared by the V3.x templates (tests/families.py).
+DEEPSEEK_MESSAGES_TEMPLATE = r"""{%- for message in messages -%}
 {%- if message.role == 'system' -%}{{ message.content }}
 {%- elif message.role == 'user' -%}<｜User｜>{{ message.content }}
 {%- elif message.role == 'assistant' -%}<｜Assistant｜></think>{{ message.content or '' }}<｜end▁of▁sentence｜>
 {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}<｜Assistant｜>{% if thinking is defined and not thinking %}</think>{% else %}<think>{% endif %}{%- endif -%}"""
+"""
+
+DEEPSEEK_CHAT_TEMPLATE = (
+    r"""{{- bos_token }}
+"""
+    + DEEPSEEK_MESSAGES_TEMPLATE
+    + r"""{%- if add_generation_prompt -%}<｜Assistant｜>{% if thinking is defined and not thinking %}</think>{% else %}<think>{% endif %}{%- endif -%}"""
+)
 
 
 def _quicktok_data() -> Path:
