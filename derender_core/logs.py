@@ -92,7 +92,15 @@ def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
     `verbose`, on to vLLM's own handlers in full)."""
     logger = logging.getLogger(VLLM_LOGGER)
     original = logger.handlers[:]
-    logger.handlers = [_Collector(sink, original if verbose else [])]
+    # Nested in another collection (a record's, inside its run's), pass on
+    # to vLLM's own handlers, not to the outer collector: a record's lines
+    # are counted once, through its outcome.
+    beneath = [
+        inner
+        for handler in original
+        for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
+    ]
+    logger.handlers = [_Collector(sink, beneath if verbose else [])]
     try:
         yield
     finally:
