@@ -102,10 +102,11 @@ class _GroupedWriter(ABC, Generic[Group]):
 
 class SseWriter(_GroupedWriter[list[bytes]]):
     """Per request, the SSE transcript a client of `vllm serve` reads:
-    ``data: <chunk>`` events, each followed by a blank line, then
-    ``data: [DONE]``. Each chunk is the ``chunk`` the derender endpoint
-    answered, as a split render/generate deployment forwards it. A failed
-    call appears as the error event the server sends mid-stream.
+    each call's events (`Answer.sse_events`), then ``data: [DONE]``. For the
+    render endpoints that is the ``chunk`` each call answered, as a split
+    render/generate deployment forwards it; for the serve path, the frames
+    `vllm serve` itself sent. A failed call appears as the error event the
+    server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
     request gets ``<request_id>.sse`` (unsafe characters replaced by ``_``).
@@ -123,8 +124,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         return []
 
     def _take(self, group: list[bytes], answer: Answer) -> None:
-        data = answer.chunk_raw if answer.ok else answer.raw
-        group.append(b"data: " + data + b"\n\n")
+        group.append(answer.sse_events)
 
     def _emit(self, request_id: str | None, group: list[bytes]) -> None:
         transcript = b"".join(group) + SSE_DONE
@@ -171,6 +171,7 @@ class _Assembly:
     first_chunk: Mapping[str, Any] | None = None
     choices: dict[int, _ChoiceParts] = field(default_factory=dict)
     usage: Mapping[str, Any] | None = None
+    system_fingerprint: str | None = None
     error: bytes | None = None
 
 
@@ -178,8 +179,9 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
     """Per request, one response assembled from its stream, comparable with
     a one-shot answer: content, reasoning and text concatenated per choice
     index, tool calls merged by index (id, name, arguments), logprobs and
-    token ids joined, and the last finish reason, stop reason and usage
-    kept. A stream with a failed call is written as that call's error.
+    token ids joined, and the last finish reason, stop reason, usage and
+    system fingerprint kept. A stream with a failed call, or with an error
+    event, is written as that error.
 
     `finish` turns the assembled fields into the full response (vLLM's own
     response model fills the remaining fields).
@@ -203,13 +205,17 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
         if not answer.ok:
             group.error = group.error or answer.raw
             return
-        chunk = answer.chunk
-        group.first_chunk = group.first_chunk or chunk
-        if chunk.get("usage") is not None:
-            group.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            parts = group.choices.setdefault(choice["index"], _ChoiceParts())
-            _merge_choice(parts, choice)
+        for chunk in answer.chunks:
+            if "error" in chunk:  # an error event inside a stream
+                group.error = group.error or _dump(chunk)
+                continue
+            group.first_chunk = group.first_chunk or chunk
+            if chunk.get("usage") is not None:
+                group.usage = chunk["usage"]
+            group.system_fingerprint = chunk.get("system_fingerprint") or group.system_fingerprint
+            for choice in chunk.get("choices") or []:
+                parts = group.choices.setdefault(choice["index"], _ChoiceParts())
+                _merge_choice(parts, choice)
 
     def _emit(self, request_id: str | None, group: _Assembly) -> None:
         if group.error is not None:
@@ -221,6 +227,7 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
             "created": first.get("created"),
             "model": first.get("model", ""),
             "usage": group.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            "system_fingerprint": group.system_fingerprint,
             "choices": [
                 self._choice(index, parts) for index, parts in sorted(group.choices.items())
             ],
