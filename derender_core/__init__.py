@@ -1,15 +1,17 @@
 """derender: vLLM's derender core over files, offline and on CPU.
 
-Importing this package does not import vLLM; `DerenderEngine.build` does.
+Importing this package does not import vLLM; `DerenderEngine.build` and
+`ServeEngine.build` do.
 """
 
 from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
 from .config import RenderConfig
 from .errors import ConfigError, DerenderError, InputError, RecordError
-from .protocol import Answer, Derenderer, Endpoint, StreamAnswer
+from .protocol import Answer, Derenderer, Endpoint, FramesAnswer, StreamAnswer
 from .records import Record, RequestIndex, iter_records, open_input, open_output
 from .streams import ChunkFacts, StreamLedger
 from .vllm_seam.render import DerenderEngine
+from .vllm_seam.serve import ServeEngine, StopFinding
 from .writers import AssembledWriter, JsonlWriter, SseWriter, Writer
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "DerenderError",
     "Endpoint",
     "Failure",
+    "FramesAnswer",
     "InputError",
     "Job",
     "JsonlWriter",
@@ -31,9 +34,11 @@ __all__ = [
     "RecordError",
     "RenderConfig",
     "Report",
+    "ServeEngine",
     "RequestIndex",
     "SseWriter",
     "StreamAnswer",
+    "StopFinding",
     "StreamLedger",
     "Writer",
     "iter_records",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from derender_core import DerenderEngine, RenderConfig
-from tests.helpers import SAMPLE, RenderServer
+from derender_core import DerenderEngine, RenderConfig, ServeEngine
+from tests.helpers import SAMPLE, RenderServer, ServeOracle
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,
@@ -98,3 +98,27 @@ def llama3_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def stack(request: pytest.FixtureRequest) -> Stack:
     """Each model family in turn."""
     return request.getfixturevalue(f"{request.param}_stack")
+
+
+@dataclass
+class ServeStack:
+    """The bundled Qwen3 sample behind the serve path, and its oracle: the
+    same flags given to `vllm serve` over HTTP with a taped engine core."""
+
+    config: RenderConfig
+    builder: SampleBuilder
+    engine: ServeEngine
+    oracle: ServeOracle
+
+
+@pytest.fixture(scope="session")
+def qwen3_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    config = sample_config()
+    tapes = tmp_path_factory.mktemp("tapes")
+    oracle = ServeOracle(config, tmp_path_factory.mktemp("logs") / "serve-oracle.log", tapes)
+    engine = ServeEngine.build(config)
+    try:
+        yield ServeStack(config, SampleBuilder(qwen3_family(Path(config.model or ""))), engine, oracle)
+    finally:
+        engine.close()
+        oracle.stop()
