@@ -29,6 +29,7 @@ from derender_core import (
     JsonlWriter,
     RenderConfig,
     RequestIndex,
+    ServeEngine,
     SseWriter,
     Writer,
     iter_records,
@@ -63,6 +64,11 @@ class OutputFormat(str, Enum):
 class StreamMode(str, Enum):
     live = "live"
     replay = "replay"
+
+
+class Flavor(str, Enum):
+    derender = "derender"
+    serve = "serve"
 
 
 def _render_flag(name: str, kind: type, metavar: str, help_text: str) -> Any:
@@ -134,6 +140,17 @@ RequestsOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
+FlavorOpt = Annotated[
+    Flavor,
+    typer.Option(
+        "--flavor",
+        help="derender: what the render server's derender endpoint answers. "
+        "serve: what a client of `vllm serve` reads for the same request and tokens, "
+        "through vLLM's own serving stack on a scripted engine core (ids are "
+        "chatcmpl-<request_id> / cmpl-<request_id>). Prompt logprobs, beam search and "
+        "completions with several prompts get an error record under serve.",
+    ),
+]
 
 
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
@@ -182,6 +199,7 @@ def _derender(
     quiet: bool,
     stream_format: OutputFormat | None = None,
     live: bool = False,
+    flavor: Flavor = Flavor.derender,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it."""
     directory = _sse_directory(output, stream_format)
@@ -193,7 +211,8 @@ def _derender(
             resources.callback(requests.close)
         progress = resources.enter_context(ProgressDisplay(console, enabled=not quiet))
         progress.loading(config.model or "")
-        engine = DerenderEngine.build(config, live=live)
+        engine_class = ServeEngine if flavor is Flavor.serve else DerenderEngine
+        engine = engine_class.build(config, live=live)
         resources.callback(engine.close)
         job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
         writer = resources.enter_context(
@@ -244,12 +263,15 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         input_path: InputArg,
         output: OutputOpt = "-",
         requests: RequestsOpt = None,
+        flavor: FlavorOpt = Flavor.derender,
         quiet: QuietOpt = False,
         *,
         config: RenderConfig,
         console: Console,
     ) -> int:
-        return _derender(config, console, input_path, output, endpoint, requests, quiet)
+        return _derender(
+            config, console, input_path, output, endpoint, requests, quiet, flavor=flavor
+        )
 
     command.__doc__ = doc
     return with_render_options(command)
@@ -296,7 +318,8 @@ def stream(
         OutputFormat,
         typer.Option(
             "--format",
-            help="jsonl: the endpoint's answer per call ({chunk, stream_state}). "
+            help="jsonl: the endpoint's answer per call ({chunk, stream_state}; "
+            "with --flavor serve, {chunks}: the chunks serve sent during that call). "
             "sse: per request, the SSE transcript vllm serve would stream. "
             "assembled: per request, one response built from its stream.",
         ),
@@ -308,13 +331,14 @@ def stream(
             help="live: each stream's parser kept between calls, O(n) per stream; "
             "answers and states equal replay's. replay: every call through vLLM's "
             "own per-call path, O(n) per call, for bug-for-bug reproduction of the "
-            "render server.",
+            "render server. Not used with --flavor serve.",
         ),
     ] = StreamMode.live,
     endpoint: Annotated[
         Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")
     ] = Endpoint.CHAT,
     requests: RequestsOpt = None,
+    flavor: FlavorOpt = Flavor.derender,
     quiet: QuietOpt = False,
     *,
     config: RenderConfig,
@@ -338,6 +362,7 @@ def stream(
         quiet,
         stream_format=output_format,
         live=mode is StreamMode.live,
+        flavor=flavor,
     )
 
 

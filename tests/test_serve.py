@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import io
 import json
 import re
 from pathlib import Path
@@ -33,7 +34,7 @@ from derender_core import Endpoint, FramesAnswer, Job, SseWriter
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
 from tests.conftest import ServeStack, Stack
-from tests.helpers import jsonl_answers, run_lines
+from tests.helpers import SAMPLE, jsonl_answers, normalize, run_cli, run_lines
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
@@ -393,3 +394,39 @@ def test_unsupported_requests_get_error_records(qwen3_serve: ServeStack) -> None
     for endpoint, case, message in cases:
         answer = qwen3_serve.engine.post(endpoint, case)
         assert answer.status == 400 and message in answer.error_message, answer.raw
+
+
+# --- the command --------------------------------------------------------------------
+
+
+def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Path) -> None:
+    done = run_cli(
+        "stream", "sample_data/stream.jsonl", "--config", "sample_data/qwen3.yaml",
+        "--flavor", "serve", "--format", "sse", "-o", f"{tmp_path}/",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    # The sample's unicode stream is cut at 33 tokens with max_tokens 30.
+    assert b"stream-speculative-unicode' choice 0: the record has not finished at token 30" in done.stderr
+    out = io.BytesIO()
+    bodies = [json.loads(line) for line in (SAMPLE / "stream.jsonl").read_text().splitlines()]
+    run_lines(qwen3_serve.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in bodies], SseWriter(out))
+    ours = sorted(p.name for p in tmp_path.iterdir())
+    assert ours == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
+    # serve's fingerprint hashes its config, model path as given included.
+    fingerprint = re.compile(rb'"system_fingerprint":"vllm-0\.33\.0-[0-9a-f]{8}"')
+    in_process = fingerprint.sub(b"", normalized_bytes(out.getvalue()))
+    for name in ours:
+        transcript = fingerprint.sub(b"", normalized_bytes((tmp_path / name).read_bytes()))
+        assert transcript.endswith(b"data: [DONE]\n\n") and transcript in in_process
+    assert b'"id":"chatcmpl-stream-n2"' in in_process
+
+    chat = run_cli("chat", "sample_data/chat.jsonl", "--config", "sample_data/qwen3.yaml", "--flavor", "serve")
+    assert chat.returncode == 0, chat.stderr.decode()
+    lines = [json.loads(line) for line in chat.stdout.splitlines()]
+    assert [line["id"] for line in lines] == [
+        "chatcmpl-chat-tool-call", "chatcmpl-chat-n2-logprobs", "chatcmpl-chat-unicode", "chatcmpl-chat-stop-string",
+    ]  # fmt: skip
+    assert all(line["system_fingerprint"].startswith("vllm-0.33.0-") for line in lines)
+    assert normalize(lines[3]["choices"]) == normalize(
+        qwen3_serve.engine.post(Endpoint.CHAT, list(chat_bodies(qwen3_serve.builder))[3]).body["choices"]
+    )

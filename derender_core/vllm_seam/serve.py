@@ -784,7 +784,7 @@ class ServeEngine(DerenderEngine):
             self.findings_total += 1
             if len(self.findings) < FINDINGS_KEPT:
                 self.findings.append(finding)
-            logger.warning("serve: %s", finding)
+            logger.warning("serve finding: %s", finding)
 
         return note
 
