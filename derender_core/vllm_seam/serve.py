@@ -266,7 +266,10 @@ class _ScriptedEngineCore:
         )
         vllm_finish = request.get_finished_reason() if stopped else None
         vllm_view = (len(kept), None if vllm_finish is None else str(vllm_finish), request.stop_reason)
-        if vllm_view == (len(token_ids), engine_finish, engine_stop_reason):
+        # A record without a stop reason leaves it to vLLM (older generate
+        # hosts never report one for a stop token id).
+        expected_stop_reason = request.stop_reason if engine_stop_reason is None else engine_stop_reason
+        if vllm_view == (len(token_ids), engine_finish, expected_stop_reason):
             return EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=kept,
