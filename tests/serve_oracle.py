@@ -108,6 +108,62 @@ class TapeCore:
                 await asyncio.sleep(0.001)
 
 
+# --- tapes: the engine steps a record makes (written apart from serve.py) ----
+
+
+def engine_finish(choice: dict[str, Any], default: str | None = None) -> tuple[str | None, Any]:
+    """The finish the engine core reports: a stop string is the output
+    processor's to find, so the core's step is unfinished. A one-shot
+    choice's finish_reason defaults to "stop", a stream choice's to null."""
+    finish, stop_reason = choice.get("finish_reason", default), choice.get("stop_reason")
+    if finish == "stop" and isinstance(stop_reason, str):
+        return None, None
+    return finish, stop_reason
+
+
+def one_shot_steps(choices: list[dict[str, Any]]) -> list[list[Any]]:
+    steps: list[list[Any]] = []
+    for position in range(max(len(c["token_ids"]) for c in choices)):
+        step = []
+        for choice in choices:
+            ids = choice["token_ids"]
+            if position < len(ids):
+                last = position == len(ids) - 1
+                finish, stop_reason = engine_finish(choice, "stop") if last else (None, None)
+                content = (choice.get("logprobs") or {}).get("content")
+                step.append(
+                    [choice["index"], ids[position : position + 1],
+                     content[position : position + 1] if content else None, finish, stop_reason]
+                )  # fmt: skip
+        steps.append(step)
+    return steps
+
+
+def stream_steps(chunks: list[dict[str, Any]]) -> list[list[Any]]:
+    """One step per chunk with tokens; a finish-only tail finishes its
+    choice's previous step."""
+    steps: list[list[Any]] = []
+    last_of: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            finish, stop_reason = engine_finish(choice)
+            if choice["token_ids"]:
+                content = (choice.get("logprobs") or {}).get("content")
+                piece = [choice["index"], choice["token_ids"], content, finish, stop_reason]
+                steps.append([piece])
+                last_of[choice["index"]] = piece
+            elif choice.get("finish_reason") is not None:
+                last_of[choice["index"]][3:] = [finish, stop_reason]
+    return steps
+
+
+def oracle_body(request: dict[str, Any], stream: bool) -> dict[str, Any]:
+    body = {**request, "stream": stream}
+    if not stream:
+        body.pop("stream_options", None)
+    return body
+
+
 def main() -> None:
     tapes = Path(sys.argv[1])
     from vllm.entrypoints.launchers.api_server import entry
