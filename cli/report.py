@@ -37,12 +37,13 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
         table.add_section()
         table.add_row(Text(f"{kind} ({len(members)})", style="bold"), "", "", "", "")
         for divergence in members:
+            left, right = _differing(divergence.left_value, divergence.right_value)
             table.add_row(
                 Text(str(divergence.request_id)),
                 "" if divergence.index is None else str(divergence.index),
                 Text(divergence.chunking or ""),
-                Text(_short(divergence.left_value)),
-                Text(_short(divergence.right_value)),
+                Text(_short(left)),
+                Text(_short(right)),
             )
     # Wide enough for a kind and two values per row, on a terminal or not.
     wide = Console(
@@ -52,6 +53,15 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
         force_terminal=console.is_terminal,
     )
     wide.print(table)
+
+
+def _differing(left: Any, right: Any) -> tuple[Any, Any]:
+    """Two objects shown by the keys on which they differ (the report keeps
+    them whole)."""
+    if not (isinstance(left, dict) and isinstance(right, dict)):
+        return left, right
+    keys = [k for k in {**left, **right} if left.get(k) != right.get(k)]
+    return {k: left[k] for k in keys if k in left}, {k: right[k] for k in keys if k in right}
 
 
 def _short(value: Any) -> str:
