@@ -12,21 +12,19 @@ paths. Figures exclude start-up and are medians over the repeats.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import statistics
 import time
 from collections import defaultdict
 
 import orjson
-from _common import REPO, peak_rss_mib
+from _common import REPO, peak_rss_mib, sample_config
 
 from derender_core import (
     DerenderEngine,
     Endpoint,
     Job,
     JsonlWriter,
-    RenderConfig,
     ServeEngine,
     iter_records,
     run,
@@ -40,9 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    config = RenderConfig.from_yaml(REPO / "sample_data" / "qwen3.yaml")
-    config = dataclasses.replace(config, model=str(REPO / (config.model or "")))
-
+    config = sample_config()
     started = time.perf_counter()
     derender = DerenderEngine.build(config)
     render_build = time.perf_counter() - started

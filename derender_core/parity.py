@@ -38,7 +38,7 @@ import orjson
 from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed, compare
 from .errors import ConfigError, RecordError
 from .protocol import Derenderer, Endpoint, FramesAnswer
-from .records import Record, RequestIndex, derender_body
+from .records import Record, RequestIndex, call_body, derender_body
 from .responses import Item, error_text
 from .streams import ChunkFacts, StreamLedger
 from .writers import Assembly
@@ -104,8 +104,7 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
     tokens: choices interleaved one chunk at a time, as the engine emits
     them, then the usage chunk. The request streams with usage."""
     response, prompt_tokens, prompt_ids = _one_response(body, endpoint)
-    key = endpoint.request_key
-    request = body.get(key)
+    request = body.get(endpoint.request_key)
     stream_request = None if request is None else {**request, "stream": True, "stream_options": {"include_usage": True}}
     per_choice: list[list[dict[str, Any]]] = []
     completion_tokens = 0
@@ -147,16 +146,13 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens},
         }
     )
-    common: dict[str, Any] = {"stream": True}
-    if body.get("model") is not None:
-        common["model"] = body["model"]
-    if prompt_tokens is not None:
-        common["prompt_tokens"] = prompt_tokens
-    if prompt_ids is not None:
-        common["prompt_token_ids"] = prompt_ids
-    if stream_request is not None:
-        common[key] = stream_request
-    return [{**common, "generate_chunk": chunk} for chunk in chunks]
+    return [
+        call_body(
+            endpoint, chunk, stream=True, request=stream_request, prompt_tokens=prompt_tokens,
+            prompt_token_ids=prompt_ids, model=body.get("model"),
+        )  # fmt: skip
+        for chunk in chunks
+    ]
 
 
 def _one_response(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[Mapping[str, Any], Any, Any]:
@@ -196,28 +192,18 @@ def one_shot_body(bodies: list[Mapping[str, Any]], endpoint: Endpoint) -> dict[s
                 joined["finish_reason"] = choice["finish_reason"]
                 joined["stop_reason"] = choice.get("stop_reason")
     response = {"request_id": first["generate_chunk"].get("request_id"), "choices": [choices[i] for i in sorted(choices)]}
-    key = endpoint.request_key
-    request = first.get(key)
+    request = first.get(endpoint.request_key)
     if request is not None:
         request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
-    prompt_ids = first.get("prompt_token_ids") or first["generate_chunk"].get("prompt_token_ids")
-    prompt_tokens = first.get("prompt_tokens")
-    body: dict[str, Any] = {}
-    if first.get("model") is not None:
-        body["model"] = first["model"]
-    if endpoint is Endpoint.CHAT:
-        body["generate_response"] = response
-        fields = {"prompt_tokens": prompt_tokens, "prompt_token_ids": prompt_ids}
-    else:
-        body["generate_responses"] = [response]
-        fields = {
-            "prompt_tokens": None if prompt_tokens is None else [prompt_tokens],
-            "prompt_token_ids": None if prompt_ids is None else [prompt_ids],
-        }
-    body.update({k: v for k, v in fields.items() if v is not None})
-    if request is not None:
-        body[key] = request
-    return body
+    return call_body(
+        endpoint,
+        response,
+        stream=False,
+        request=request,
+        prompt_tokens=first.get("prompt_tokens"),
+        prompt_token_ids=first.get("prompt_token_ids") or first["generate_chunk"].get("prompt_token_ids"),
+        model=first.get("model"),
+    )
 
 
 # --- requests from the input -------------------------------------------------
@@ -364,11 +350,10 @@ def _recorded_stream(
 
 
 def _stream_body(chunk: dict[str, Any], prompt_ids: Any, request: Mapping[str, Any], endpoint: Endpoint) -> dict[str, Any]:
-    body: dict[str, Any] = {"stream": True, "generate_chunk": chunk, endpoint.request_key: request}
-    if prompt_ids is not None:
-        body["prompt_token_ids"] = prompt_ids
-        body["prompt_tokens"] = len(prompt_ids)
-    return body
+    return call_body(
+        endpoint, chunk, stream=True, request=request,
+        prompt_tokens=None if prompt_ids is None else len(prompt_ids), prompt_token_ids=prompt_ids,
+    )  # fmt: skip
 
 
 # --- running and comparing ---------------------------------------------------

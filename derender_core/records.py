@@ -258,24 +258,49 @@ def derender_body(
         # What the render step reports: the prompt's length.
         prompt_tokens = len(prompt_token_ids)
 
+    return call_body(
+        endpoint,
+        payload,
+        stream=stream,
+        request=original,
+        prompt_tokens=prompt_tokens,
+        prompt_token_ids=prompt_token_ids,
+        model=request.get("model"),
+    )
+
+
+def call_body(
+    endpoint: Endpoint,
+    generate: Any,
+    *,
+    stream: bool,
+    request: Any = None,
+    prompt_tokens: int | None = None,
+    prompt_token_ids: list[int] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """The derender body that sends one generate response (or, with
+    `stream`, one generate stream chunk) with the original request and its
+    prompt; unset fields are left out."""
     body: dict[str, Any] = {}
-    if request.get("model") is not None:
-        body["model"] = request["model"]
+    if model is not None:
+        body["model"] = model
     if stream:
-        body.update(stream=True, generate_chunk=payload)
+        body.update(stream=True, generate_chunk=generate)
         fields = {"prompt_tokens": prompt_tokens, "prompt_token_ids": prompt_token_ids}
     elif endpoint is Endpoint.CHAT:
-        body["generate_response"] = payload
+        body["generate_response"] = generate
         fields = {"prompt_tokens": prompt_tokens, "prompt_token_ids": prompt_token_ids}
     else:
         # One GenerateResponse per prompt: a bare response is a one-prompt call.
-        body["generate_responses"] = [payload]
+        body["generate_responses"] = [generate]
         fields = {
             "prompt_tokens": None if prompt_tokens is None else [prompt_tokens],
             "prompt_token_ids": None if prompt_token_ids is None else [prompt_token_ids],
         }
     body.update({key: value for key, value in fields.items() if value is not None})
-    body[endpoint.request_key] = original
+    if request is not None:
+        body[endpoint.request_key] = request
     return body
 
 
