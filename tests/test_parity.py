@@ -28,16 +28,18 @@ from derender_core import (
     Chunking,
     Endpoint,
     Item,
+    Job,
     Normalization,
     Observed,
     Parity,
+    SseWriter,
     compare,
     read_items,
 )
 from derender_core.parity import from_serve, one_shot_body, requests_of, stream_bodies
 from derender_core.records import Record, RequestIndex
 from tests.conftest import ServeStack, Stack
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_lines
 from tests.parity_corpus import CASES, corpus_bodies
 from tests.sample_inputs import write_jsonl
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
@@ -170,16 +172,15 @@ def test_from_serve_recordings(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_
     assert all(d.left == "recorded" for d in found)
 
 
-def test_diff_command(qwen3_serve: ServeStack, tmp_path: Path) -> None:
+def test_diff_command(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_path: Path) -> None:
     """`derender diff` compares answers request by request, with the
     normalisation switchable, over files and directories of transcripts."""
     b = qwen3_serve.builder
-    bodies = [x for x in corpus_bodies(b) if x["generate_chunk"]["request_id"] in ("plain", "length-tail")]
+    lines = [orjson.dumps(x) for x in corpus_bodies(b) if x["generate_chunk"]["request_id"] in ("plain", "length-tail")]
     serve_dir, derender_dir = tmp_path / "serve", tmp_path / "derender"
-    for flavor, out in (("serve", serve_dir), ("derender", derender_dir)):
-        done = run_cli("stream", str(write_jsonl(tmp_path / "in.jsonl", bodies)), *SAMPLE_FLAGS,
-                       "--flavor", flavor, "--format", "sse", "-o", f"{out}/", "-q")  # fmt: skip
-        assert done.returncode == 0, done.stderr.decode()
+    for engine, out in ((qwen3_serve.engine, serve_dir), (qwen3_stack.engine, derender_dir)):
+        out.mkdir()
+        run_lines(engine, Job(Endpoint.CHAT, stream=True), lines, SseWriter(directory=out))
     (derender_dir / "length-tail.sse").rename(derender_dir / "other.sse")  # no pair
     same = run_cli("diff", str(serve_dir), str(serve_dir))
     assert same.returncode == 0 and b"0 divergences" in same.stderr

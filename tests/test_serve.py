@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import Endpoint, FramesAnswer, Job, SseWriter
+from derender_core import AssembledWriter, Endpoint, FramesAnswer, Job, JsonlWriter, SseWriter
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
 from tests.conftest import ServeStack, Stack
@@ -193,6 +193,24 @@ def test_each_call_answers_the_frames_serve_sent_for_it(qwen3_serve: ServeStack)
     assert tail[0]["choices"][0]["finish_reason"] == "stop"  # on the last token's frame
     assert tail[-1]["choices"] == [] and tail[-1]["usage"]["completion_tokens"] == 6
     assert usage_call == []
+
+    # As output: a JSON line per call holds serve's chunks, byte for byte;
+    # the SSE transcript is the frames; assembled, the stream reads as the
+    # content serve sent.
+    jsonl, sse, assembled = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    lines = [orjson.dumps(x) for x in bodies]
+    job = Job(Endpoint.CHAT, stream=True)
+    run_lines(qwen3_serve.engine, job, lines, JsonlWriter(jsonl))
+    run_lines(qwen3_serve.engine, job, lines, SseWriter(sse))
+    run_lines(qwen3_serve.engine, job, lines, AssembledWriter(assembled, Endpoint.CHAT, qwen3_serve.engine.chat_response))
+    calls = jsonl.getvalue().splitlines()
+    assert len(calls) == len(bodies) and calls[0] == b'{"chunks":[]}'
+    events = [line.removeprefix(b"data: ") for line in sse.getvalue().split(b"\n\n") if line]
+    assert events[-1] == b"[DONE]"
+    in_calls = [chunk for call in calls for chunk in json.loads(normalized_bytes(call))["chunks"]]
+    assert in_calls == [json.loads(normalized_bytes(event)) for event in events[:-1]]
+    message = json.loads(assembled.getvalue())["choices"][0]["message"]
+    assert (message["role"], message["content"]) == ("assistant", "Hi there, friend!")
 
 
 # --- known serve behaviour --------------------------------------------------------
