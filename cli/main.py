@@ -1,17 +1,22 @@
 """The `derender` command: a thin Typer layer over `derender_core`.
 
 It parses flags, opens inputs and outputs, shows progress and the summary on
-stderr, and maps errors to exit codes: 0 all records fine, 1 some records
-got error records, 2 usage or configuration error (nothing processed).
-vLLM is imported only once a command runs, never for ``--help``.
+stderr, and exits with the status the core decides (`ExitStatus`): 0 all
+records fine, 1 some records got error records, 2 usage or configuration
+error (nothing processed), 3 the run could not finish (an input or output
+failed mid-run). vLLM is imported only once a command runs, never for
+``--help``.
 """
 
 import contextlib
 import functools
 import inspect
+import io
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,15 +34,20 @@ from derender_core import (
     DerenderError,
     Divergence,
     Endpoint,
+    ErrorLog,
+    ExitStatus,
     InputError,
     Job,
     JsonlWriter,
     Normalization,
     Parity,
     RenderConfig,
+    Report,
     RequestIndex,
+    RunIncomplete,
     ServeEngine,
     SseWriter,
+    StreamFailure,
     Writer,
     diff_items,
     from_serve,
@@ -45,6 +55,7 @@ from derender_core import (
     open_input,
     open_output,
     read_items,
+    refuse_overwriting,
     requests_of,
     run,
 )
@@ -163,6 +174,49 @@ FlavorOpt = Annotated[
         "completions with several prompts get an error record under serve.",
     ),
 ]
+LenientOpt = Annotated[
+    bool,
+    typer.Option(
+        "--lenient",
+        help="Answer every record exactly as the render server would, bug for bug, "
+        "skipping derender's own checks. Risky: out-of-vocabulary token ids then "
+        "decode as nothing, true/false count as tokens 1/0, negative ids in stream "
+        "chunks and negative prompt_tokens pass, and bad or missing choice indices "
+        "go through, so an answer can look fine and have lost data.",
+    ),
+]
+FailFastOpt = Annotated[
+    bool, typer.Option("--fail-fast", help="Stop at the first failed record (exit 1).")
+]
+ErrorsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--errors",
+        metavar="FILE",
+        help="Also write each failed record to FILE (JSONL: input, line, record, "
+        "status, error), for triage. A .gz path is gzipped.",
+    ),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Show vLLM's log messages in full, and the traceback of any record "
+        "or failure that hit a bug.",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags every command shares about running the records."""
+
+    quiet: bool = False
+    lenient: bool = False
+    fail_fast: bool = False
+    errors: Path | None = None
+    verbose: bool = False
 
 
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
@@ -179,18 +233,37 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         config_path = kwargs.pop("config")
         flags = {name: kwargs.pop(name) for name in _RENDER_OPTIONS if name != "config"}
         console = Console(stderr=True, highlight=False, soft_wrap=True)
+        verbose = bool(kwargs.get("verbose"))
         try:
             config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
             config = config.overridden_by(flags)
             code = command(config=config, console=console, **kwargs)
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)
-            raise typer.Exit(2) from None
+            raise typer.Exit(exc.exit_status) from None
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly, as shell tools
             # do, and keep Python's exit-time flush from failing again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _discard_stdout()
             raise typer.Exit(141) from None
+        except StreamFailure as exc:
+            # Closing an output failed after the run (a gzip trailer on a full disk).
+            console.print(f"derender: the run could not finish: {exc}", markup=False)
+            _discard_stdout()
+            raise typer.Exit(exc.exit_status) from None
+        except Exception as exc:
+            # Not the input's fault: a bug. The exit status says the run
+            # could not finish, never "some records failed".
+            if verbose:
+                console.print(traceback.format_exc(), markup=False)
+            console.print(
+                f"derender: internal error, the run could not finish: {type(exc).__name__}: {exc}"
+                + ("" if verbose else " (--verbose shows the traceback)"),
+                markup=False,
+            )
+            raise typer.Exit(ExitStatus.INCOMPLETE) from None
+        if code == ExitStatus.INCOMPLETE:
+            _discard_stdout()
         raise typer.Exit(code)
 
     wrapper.__signature__ = inspect.Signature([p for p in own if p.name != "console"] + extra)  # type: ignore[attr-defined]
@@ -201,6 +274,16 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's exit-time flush of bytes
+    a closed pipe or a full disk refused does not fail a second time."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        stdout = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout)
+        os.close(devnull)
+
+
 def _derender(
     config: RenderConfig,
     console: Console,
@@ -208,12 +291,19 @@ def _derender(
     output: str,
     job_endpoint: Endpoint,
     requests_path: Path | None,
-    quiet: bool,
+    flags: RunFlags,
     stream_format: OutputFormat | None = None,
     live: bool = False,
     flavor: Flavor = Flavor.derender,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it."""
+    errors_path = str(flags.errors) if flags.errors is not None else None
+    if errors_path == "-":
+        raise InputError("--errors needs a file path: stdout carries the output")
+    refuse_overwriting(
+        {"INPUT": input_path, "--requests": None if requests_path is None else str(requests_path)},
+        {"-o": output, "--errors": errors_path},
+    )
     directory = _sse_directory(output, stream_format)
     with contextlib.ExitStack() as resources:
         source = resources.enter_context(open_input(input_path))
@@ -221,24 +311,63 @@ def _derender(
         if requests_path is not None:
             requests = RequestIndex(str(requests_path))
             resources.callback(requests.close)
-        progress = resources.enter_context(ProgressDisplay(console, enabled=not quiet))
+        progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
         progress.loading(config.model or "")
         engine_class = ServeEngine if flavor is Flavor.serve else DerenderEngine
         engine = engine_class.build(config, live=live)
         resources.callback(engine.close)
-        job = Job(endpoint=job_endpoint, stream=stream_format is not None, requests=requests)
+        job = Job(
+            endpoint=job_endpoint,
+            stream=stream_format is not None,
+            requests=requests,
+            lenient=flags.lenient,
+        )
         writer = resources.enter_context(
             _open_writer(output, directory, stream_format, job_endpoint, engine)
         )
-        report = run(engine, iter_records(source), job, writer, on_progress=progress.update)
-    if not quiet:
-        print_summary(console, report, engine.startup_seconds)
+        error_log = None
+        if errors_path is not None:
+            error_log = ErrorLog(resources.enter_context(open_output(errors_path)), input_path)
+        try:
+            report = run(
+                engine,
+                iter_records(source),
+                job,
+                writer,
+                on_progress=progress.update,
+                fail_fast=flags.fail_fast,
+                error_log=error_log,
+                verbose=flags.verbose,
+            )
+        except RunIncomplete as incomplete:
+            report = incomplete.report
+    _summarise(console, report, engine.startup_seconds, flags, output)
     return report.return_code
+
+
+def _summarise(console: Console, report: Report, startup_seconds: float, flags: RunFlags, output: str) -> None:
+    """The summary, unless --quiet; a run that could not finish says so even then."""
+    if not flags.quiet:
+        print_summary(console, report, startup_seconds, verbose=flags.verbose)
+    if report.unfinished is not None:
+        shown = "stdout" if output == "-" else output
+        written = "" if report.written is None else f"; {report.written:,} written in full to {shown}"
+        console.print(
+            f"derender: the run could not finish: {report.unfinished}. "
+            f"{report.records:,} records were answered{written}.",
+            markup=False,
+        )
 
 
 def _sse_directory(output: str, stream_format: OutputFormat | None) -> Path | None:
     """``-o DIR/`` (or an existing directory) asks for one file per request."""
-    if output == "-" or not (output.endswith("/") or Path(output).is_dir()):
+    if output == "-":
+        return None
+    try:
+        is_directory = output.endswith("/") or Path(output).is_dir()
+    except OSError as exc:
+        raise InputError(f"cannot use -o {output}: {exc.strerror or exc}") from None
+    if not is_directory:
         return None
     if stream_format is not OutputFormat.sse:
         raise InputError(f"-o {output} is a directory; only --format sse writes one file per request")
@@ -255,7 +384,10 @@ def _open_writer(
 ) -> Iterator[Writer]:
     """The writer for the output format, over the opened output."""
     if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"cannot write to {directory}/: {exc.strerror or exc}") from None
         yield SseWriter(directory=directory)
         return
     with open_output(output) as target:
@@ -276,13 +408,18 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         output: OutputOpt = "-",
         requests: RequestsOpt = None,
         flavor: FlavorOpt = Flavor.derender,
+        lenient: LenientOpt = False,
+        fail_fast: FailFastOpt = False,
+        errors: ErrorsOpt = None,
+        verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
         *,
         config: RenderConfig,
         console: Console,
     ) -> int:
+        flags = RunFlags(quiet, lenient, fail_fast, errors, verbose)
         return _derender(
-            config, console, input_path, output, endpoint, requests, quiet, flavor=flavor
+            config, console, input_path, output, endpoint, requests, flags, flavor=flavor
         )
 
     command.__doc__ = doc
@@ -351,6 +488,10 @@ def stream(
     ] = Endpoint.CHAT,
     requests: RequestsOpt = None,
     flavor: FlavorOpt = Flavor.derender,
+    lenient: LenientOpt = False,
+    fail_fast: FailFastOpt = False,
+    errors: ErrorsOpt = None,
+    verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     *,
     config: RenderConfig,
@@ -371,7 +512,7 @@ def stream(
         output,
         endpoint,
         requests,
-        quiet,
+        RunFlags(quiet, lenient, fail_fast, errors, verbose),
         stream_format=output_format,
         live=mode is StreamMode.live,
         flavor=flavor,

@@ -63,8 +63,9 @@ class ProgressDisplay:
         )
 
 
-def print_summary(console: Console, report: Report, startup_seconds: float) -> None:
-    """One line of figures, then the first failed records."""
+def print_summary(console: Console, report: Report, startup_seconds: float, *, verbose: bool = False) -> None:
+    """One line of figures, then the first failed records, vLLM's log
+    messages per kind, and how the run ended if it ended early."""
     console.print(
         f"derender: {report.records} records, {report.errors} errors in "
         f"{report.elapsed:.2f} s ({report.records_per_second:,.1f} records/s); "
@@ -72,14 +73,41 @@ def print_summary(console: Console, report: Report, startup_seconds: float) -> N
         markup=False,
     )
     for failure in report.failures[:FAILURES_SHOWN]:
+        detail = f" ({failure.detail})" if failure.detail else ""
+        bug = ""
+        if failure.traceback is not None:
+            bug = " [a bug, not bad input" + ("" if verbose else "; --verbose shows the traceback") + "]"
         console.print(
             f"  record {failure.record} (line {failure.line}): {failure.status} "
-            f"{_first_line(failure.message)}",
+            f"{_first_line(failure.message)}{detail}{bug}",
             markup=False,
         )
+        if verbose and failure.traceback is not None:
+            console.print(failure.traceback.rstrip(), markup=False)
     hidden = report.errors - min(len(report.failures), FAILURES_SHOWN)
     if hidden > 0:
         console.print(f"  ... and {hidden} more errors", markup=False)
+    if report.logs:
+        total = sum(kind.count for kind in report.logs)
+        console.print(
+            f"derender: vLLM logged {total:,} message{'s' if total != 1 else ''} while derendering"
+            + ("" if verbose else " (full text with --verbose)")
+            + ":",
+            markup=False,
+        )
+        for kind in sorted(report.logs, key=lambda kind: -kind.count):
+            console.print(
+                f"  {kind.count:,} x {kind.level} {kind.logger}: {kind.example} "
+                f"(first at record {kind.first_record})",
+                markup=False,
+            )
+    if report.stopped_at_failure and report.failures:
+        first = report.failures[0]
+        console.print(
+            f"derender: stopped at the first failed record, record {first.record} "
+            f"(line {first.line}), as --fail-fast asks",
+            markup=False,
+        )
 
 
 def _first_line(message: str, limit: int = 200) -> str:

@@ -5,17 +5,35 @@ Importing this package does not import vLLM; `DerenderEngine.build` and
 """
 
 from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
+from .checks import check_body
 from .compare import Divergence, Normalization, Observed, compare
 from .config import RenderConfig
-from .errors import ConfigError, DerenderError, InputError, RecordError
+from .errors import (
+    ConfigError,
+    DerenderError,
+    ExitStatus,
+    InputError,
+    RecordError,
+    RunIncomplete,
+    StreamFailure,
+)
+from .logs import LogKind
 from .parity import PATHS, Chunking, Parity, from_serve, requests_of
 from .protocol import Answer, Derenderer, Endpoint, FramesAnswer, StreamAnswer
-from .records import Record, RequestIndex, iter_records, open_input, open_output
+from .records import (
+    OutputFile,
+    Record,
+    RequestIndex,
+    iter_records,
+    open_input,
+    open_output,
+    refuse_overwriting,
+)
 from .responses import Item, diff_items, read_items
 from .streams import ChunkFacts, StreamLedger
 from .vllm_seam.render import DerenderEngine
 from .vllm_seam.serve import ServeEngine, StopFinding
-from .writers import AssembledWriter, Assembly, JsonlWriter, SseWriter, Writer
+from .writers import AssembledWriter, Assembly, ErrorLog, JsonlWriter, SseWriter, Writer
 
 __all__ = [
     "Answer",
@@ -23,42 +41,50 @@ __all__ = [
     "Assembly",
     "ChunkFacts",
     "Chunking",
-    "compare",
     "ConfigError",
     "DerenderEngine",
-    "Derenderer",
     "DerenderError",
-    "diff_items",
+    "Derenderer",
     "Divergence",
     "Endpoint",
+    "ErrorLog",
+    "ExitStatus",
     "Failure",
     "FramesAnswer",
-    "from_serve",
     "InputError",
     "Item",
-    "iter_records",
     "Job",
     "JsonlWriter",
+    "LogKind",
     "Normalization",
     "Observed",
-    "open_input",
-    "open_output",
     "Outcome",
-    "Parity",
+    "OutputFile",
     "PATHS",
-    "read_items",
+    "Parity",
     "Record",
     "RecordError",
     "RecordProcessor",
     "RenderConfig",
     "Report",
     "RequestIndex",
-    "requests_of",
-    "run",
+    "RunIncomplete",
     "ServeEngine",
     "SseWriter",
     "StopFinding",
     "StreamAnswer",
+    "StreamFailure",
     "StreamLedger",
     "Writer",
+    "check_body",
+    "compare",
+    "diff_items",
+    "from_serve",
+    "iter_records",
+    "open_input",
+    "open_output",
+    "read_items",
+    "refuse_overwriting",
+    "requests_of",
+    "run",
 ]

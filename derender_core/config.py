@@ -65,7 +65,12 @@ class RenderConfig:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, yaml.YAMLError) as exc:
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} is nested too deeply to read") from None
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            # ValueError: an integer longer than Python reads (4,300 digits).
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
         if loaded is None:
             return cls()

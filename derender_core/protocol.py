@@ -54,11 +54,16 @@ class Answer:
 
     @property
     def error_message(self) -> str:
-        """The error's message, or "" for a successful answer."""
+        """The error's message, or "" for a successful answer. vLLM's error
+        shape has ``error.message``; FastAPI's own 400 for a body it cannot
+        parse has ``detail``."""
         if self.ok:
             return ""
         error = self.body.get("error")
-        return str(error.get("message", "")) if isinstance(error, Mapping) else ""
+        if isinstance(error, Mapping):
+            return str(error.get("message", ""))
+        detail = self.body.get("detail")
+        return detail if isinstance(detail, str) else ""
 
     @property
     def is_stream_answer(self) -> bool:
@@ -91,8 +96,8 @@ class Answer:
     def sse_events(self) -> bytes:
         """The SSE bytes a client reads for this call: the chunk as one
         ``data:`` event, or a failed call as the error event the server
-        sends mid-stream."""
-        return b"data: " + (self.chunk_raw if self.ok else self.raw) + b"\n\n"
+        sends mid-stream (any other answer as its body)."""
+        return b"data: " + (self.chunk_raw if self.is_stream_answer else self.raw) + b"\n\n"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Answer):
@@ -125,7 +130,7 @@ class StreamAnswer(Answer):
         chunk: dict[str, Any],
         chunk_raw: bytes,
         state: Any,
-        dump_state: Callable[[Any], Any],
+        dump_state: Callable[[Any], bytes],
     ) -> None:
         # No call to Answer.__init__: `raw` is built on demand.
         self.status = 200
@@ -149,7 +154,7 @@ class StreamAnswer(Answer):
     @cached_property
     def raw(self) -> bytes:
         # The handlers' JSONResponse over {"chunk", "stream_state"}, in parts.
-        return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + render_json(self._dump_state(self._state)) + b"}"
+        return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + self._dump_state(self._state) + b"}"
 
 
 class FramesAnswer(Answer):
@@ -209,10 +214,27 @@ def render_json(content: Any) -> bytes:
     ).encode("utf-8")
 
 
+def render_state(state: Mapping[str, Any]) -> bytes:
+    """A stream state's bytes, exactly as `render_json` writes them.
+
+    A state holds only integers, booleans and token strings, for which
+    orjson writes the same bytes as ``json.dumps`` (tests/test_protocol.py
+    checks this), many times faster; jsonl output writes a state that grows
+    with its stream on every call.
+    """
+    try:
+        return orjson.dumps(state)
+    except TypeError:  # e.g. a string that is not UTF-8: json words the failure
+        return render_json(state)
+
+
 class Derenderer(Protocol):
     """One path's answers to derender calls, as an HTTP endpoint gives them."""
 
     startup_seconds: float
+    vocab_size: int
+    """The tokenizer's full size, added tokens included; batch execution
+    refuses token ids at or above it (`checks`)."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""
@@ -222,6 +244,10 @@ class Derenderer(Protocol):
 
     def bad_request(self, message: str) -> Answer:
         """A 400 in the server's error shape, for problems found before the call."""
+
+    def internal_error(self, exc: Exception) -> Answer:
+        """What the server's catch-all handler answers for an unexpected
+        exception, for a record that hit a bug rather than a bad input."""
 
     def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full chat response from assembled fields, vLLM's defaults for the rest."""

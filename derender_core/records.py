@@ -1,17 +1,21 @@
-"""Input records: reading JSONL and SSE captures lazily, and joining bare
-generate output with the original requests.
+"""Input records: reading JSONL and SSE captures lazily, joining bare
+generate output with the original requests, and the output files.
 
-An input line is one of:
+An input is either JSONL, one record per line, or a raw SSE capture of
+``/inference/v1/generate``. A record is one of:
 
 - a derender body, exactly what a client would ``POST`` to
   ``/v1/chat/completions/derender`` or ``/v1/completions/derender``;
 - with ``--requests``, a bare ``GenerateResponse`` or generate stream chunk,
-  joined with its request by ``request_id``;
-- a line of a raw SSE capture of ``/inference/v1/generate``: ``data: {...}``
-  is a record, ``data: [DONE]``, ``event:``/``id:``/``retry:`` fields and
-  ``:`` comments are not.
+  joined with its request by ``request_id``.
 
-Blank lines are not records. Inputs are read line by line, never whole.
+In an SSE capture ``data: {...}`` lines are records; ``data: [DONE]``,
+``event:``/``id:``/``retry:`` fields and ``:`` comments are not. Whether an
+input is a capture is decided once, from its first lines, so a JSONL line
+that merely looks like an SSE field is a (bad) record, never dropped.
+
+Blank lines are not records. Lines end in LF, CRLF or a lone CR. Inputs
+are read in chunks, never whole.
 """
 
 from __future__ import annotations
@@ -20,24 +24,39 @@ import contextlib
 import gzip
 import io
 import json
-import re
+import os
 import shutil
+import stat
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
 
-from .errors import InputError, RecordError
+from .errors import InputError, RecordError, StreamFailure
 from .protocol import Endpoint
 
 GZIP_MAGIC = b"\x1f\x8b"
-_SSE_IGNORED_FIELDS = (b"event:", b"id:", b"retry:", b":")
-_LONG_DIGIT_RUN = re.compile(rb"\d{19}")
+_SSE_FRAMING = (b"event:", b"id:", b"retry:", b":")
+"""SSE lines that are never records: fields other than data, and comments."""
+# Digits to "0", so a run of 19 digits is a plain substring search (15x
+# faster than a regular expression on a long line of token ids).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGIT_RUN = b"0" * 19
+_READ_SIZE = 1 << 16
+SSE_SNIFF_LINES = 64
+"""How many leading blank, comment and non-data field lines may precede the
+line that decides whether an input is an SSE capture."""
+_READ_ERRORS = (OSError, EOFError, zlib.error)
+"""What reading a file or a gzip stream raises when it cannot go on:
+a read error, a truncated gzip (EOFError), corrupt compressed data."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,9 @@ class JsonProblem:
 
     message: str
     position: int | None
-    """Where parsing failed; None when the bytes are not text at all."""
+    """Where parsing failed; None when the server's parser gives up on the
+    body as a whole (not text, nested too deeply, an integer too long),
+    answering only "There was an error parsing the body"."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +81,42 @@ class Record:
     """1-based line number in the input file."""
     payload: Any = None
     problem: JsonProblem | None = None
+
+
+class _Prefixed(io.RawIOBase):
+    """Bytes already read from a stream, then the rest of it."""
+
+    def __init__(self, prefix: bytes, rest: BinaryIO) -> None:
+        self._prefix = prefix
+        self._rest = rest
+        self.name = getattr(rest, "name", "input")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._prefix:
+            size = min(len(buffer), len(self._prefix))
+            buffer[:size] = self._prefix[:size]
+            self._prefix = self._prefix[size:]
+            return size
+        data = self._rest.read1(len(buffer))  # type: ignore[attr-defined]
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _sniffed(buffered: io.BufferedReader, size: int) -> tuple[bytes, io.BufferedReader]:
+    """The first `size` bytes of a stream (fewer only at its end), and the
+    stream to read from, still at its start.
+
+    A single ``peek`` is not enough: a slow pipe may deliver one byte
+    first, and peek returns what one read gave.
+    """
+    head = buffered.peek(size)[:size]
+    if len(head) >= size:
+        return head, buffered
+    head = buffered.read(size)
+    return head, io.BufferedReader(_Prefixed(head, buffered))  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -77,18 +134,75 @@ def open_input(path: str) -> Iterator[BinaryIO]:
         owned = True
     buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)  # type: ignore[arg-type]
     try:
-        if buffered.peek(2)[:2] == GZIP_MAGIC:
-            with gzip.GzipFile(fileobj=buffered) as unzipped:
+        try:
+            head, source = _sniffed(buffered, len(GZIP_MAGIC))
+        except OSError as exc:
+            raise InputError(f"cannot read input {path}: {exc.strerror or exc}") from None
+        if head == GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=source) as unzipped:
                 yield unzipped  # type: ignore[misc]
         else:
-            yield buffered
+            yield source
     finally:
         if owned:
             buffered.close()
 
 
-def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
+def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of a stream, each with its ending (LF, CRLF or a lone CR).
+
+    Reads in chunks of what is available, so a record is handled as soon as
+    its line arrives on a pipe.
+
+    Raises:
+        StreamFailure: when the stream cannot be read on (a read error, a
+            truncated or corrupt gzip stream).
+
+    """
+    read = getattr(stream, "read1", stream.read)
+    name = getattr(stream, "name", None) or "the input"
+    if name == "<stdin>":
+        name = "stdin"
+    unfinished: list[bytes] = []
+    try:
+        while chunk := read(_READ_SIZE):
+            while chunk.endswith(b"\r"):
+                # A CRLF split between two reads is one line ending.
+                more = stream.read(1)
+                if not more:
+                    break
+                chunk += more
+            lines = chunk.splitlines(keepends=True)
+            if unfinished:
+                lines[0] = b"".join([*unfinished, lines[0]])
+                unfinished.clear()
+            if not lines[-1].endswith((b"\n", b"\r")):
+                unfinished.append(lines.pop())
+            yield from lines
+    except _READ_ERRORS as exc:
+        raise StreamFailure(f"cannot read {name}: {_describe(exc)}") from None
+    if unfinished:
+        yield b"".join(unfinished)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return f"it ends early ({exc})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _is_sse_framing(text: bytes) -> bool:
+    return text.startswith(_SSE_FRAMING)
+
+
+def parse_line(line: bytes, *, sse: bool = False) -> tuple[Any, JsonProblem | None] | None:
     """Parse one input line; None when the line is not a record.
+
+    In an SSE capture (`sse`), ``data:`` lines carry the records and other
+    fields and comments are not records; elsewhere every line that is not
+    blank is a record, JSON or not.
 
     Returns:
         The JSON payload and None, or None and the reason it is not JSON.
@@ -98,16 +212,17 @@ def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
     text = body.strip()
     if not text:
         return None
-    if text.startswith(b"data:"):
-        # SSE: the field value, less the one space that may follow the colon.
-        body = text[5:].removeprefix(b" ")
-        if body.strip() in (b"[DONE]", b""):
+    if sse:
+        if text.startswith(b"data:"):
+            # The field value, less the one space that may follow the colon.
+            body = text[5:].removeprefix(b" ")
+            if body.strip() in (b"[DONE]", b""):
+                return None
+        elif _is_sse_framing(text):
             return None
-    elif text.startswith(_SSE_IGNORED_FIELDS):
-        return None
     # orjson turns integers beyond 64 bits into floats; Python's json, the
     # server's parser, keeps them exact, so such lines go to it.
-    if not _LONG_DIGIT_RUN.search(body):
+    if body.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0:
         try:
             return orjson.loads(body), None
         except orjson.JSONDecodeError:
@@ -120,13 +235,46 @@ def parse_line(line: bytes) -> tuple[Any, JsonProblem | None] | None:
         return None, JsonProblem(f"not text in any JSON encoding: {exc.reason}", None)
     except json.JSONDecodeError as exc:
         return None, JsonProblem(exc.msg, exc.pos)
+    except RecursionError:
+        # FastAPI answers any other failure of the parser with its generic 400.
+        return None, JsonProblem("JSON nested too deeply for the server's parser", None)
+    except ValueError as exc:
+        # Python refuses integers of more than sys.get_int_max_str_digits() digits.
+        return None, JsonProblem(f"not readable by the server's parser: {exc}", None)
+
+
+def is_sse_capture(lines: Iterable[bytes]) -> bool:
+    """Whether lines open an SSE capture: the first line that is not blank,
+    a comment or a non-data field is a ``data:`` line."""
+    for line in lines:
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith(b"data:"):
+            return True
+        if not _is_sse_framing(text):
+            return False
+    return False
 
 
 def iter_records(stream: BinaryIO) -> Iterator[Record]:
-    """Yield the records of a JSONL file or SSE capture, one line at a time."""
+    """Yield the records of a JSONL file or SSE capture, one line at a time.
+
+    Raises:
+        StreamFailure: when the stream cannot be read on.
+
+    """
+    lines = iter_lines(stream)
+    head: list[bytes] = []
+    for line in lines:
+        head.append(line)
+        text = line.strip()
+        if (text and not _is_sse_framing(text)) or len(head) >= SSE_SNIFF_LINES:
+            break
+    sse = is_sse_capture(head)
     number = 0
-    for line_number, line in enumerate(stream, start=1):
-        parsed = parse_line(line)
+    for line_number, line in enumerate(chain(head, lines), start=1):
+        parsed = parse_line(line, sse=sse)
         if parsed is None:
             continue
         number += 1
@@ -162,39 +310,48 @@ class RequestIndex:
             if not isinstance(source, gzip.GzipFile):
                 return open(path, "rb")  # noqa: SIM115 - owned by the index
             spooled = tempfile.TemporaryFile()  # noqa: SIM115 - owned by the index
-            shutil.copyfileobj(source, spooled)
+            try:
+                shutil.copyfileobj(source, spooled)
+            except _READ_ERRORS as exc:
+                spooled.close()
+                raise InputError(f"cannot read --requests {path}: {_describe(exc)}") from None
             spooled.seek(0)
             return spooled  # type: ignore[return-value]
 
     def _index(self) -> None:
         first_line: dict[str, int] = {}
         offset = 0
-        for line_number, line in enumerate(self._file, start=1):
-            parsed = parse_line(line)
-            if parsed is not None:
-                payload, problem = parsed
-                if problem is not None:
-                    raise InputError(
-                        f"{self.path}:{line_number}: not JSON ({problem.message})"
-                    )
-                request_id = payload.get("request_id") if isinstance(payload, dict) else None
-                if not isinstance(request_id, str) or not request_id:
-                    raise InputError(f"{self.path}:{line_number}: no request_id")
-                if request_id in first_line:
-                    raise InputError(
-                        f"{self.path}:{line_number}: request_id {request_id!r} "
-                        f"already on line {first_line[request_id]}"
-                    )
-                first_line[request_id] = line_number
-                self._offsets[request_id] = offset
-            offset += len(line)
+        try:
+            for line_number, line in enumerate(iter_lines(self._file), start=1):
+                self._index_line(line, line_number, offset, first_line)
+                offset += len(line)
+        except StreamFailure as failure:
+            raise InputError(f"--requests {self.path}: {failure}") from None
+
+    def _index_line(self, line: bytes, line_number: int, offset: int, first_line: dict[str, int]) -> None:
+        parsed = parse_line(line)
+        if parsed is None:
+            return
+        payload, problem = parsed
+        if problem is not None:
+            raise InputError(f"{self.path}:{line_number}: not JSON ({problem.message})")
+        request_id = payload.get("request_id") if isinstance(payload, dict) else None
+        if not isinstance(request_id, str) or not request_id:
+            raise InputError(f"{self.path}:{line_number}: no request_id")
+        if request_id in first_line:
+            raise InputError(
+                f"{self.path}:{line_number}: request_id {request_id!r} "
+                f"already on line {first_line[request_id]}"
+            )
+        first_line[request_id] = line_number
+        self._offsets[request_id] = offset
 
     def _read(self, request_id: str) -> dict[str, Any] | None:
         offset = self._offsets.get(request_id)
         if offset is None:
             return None
         self._file.seek(offset)
-        payload = parse_line(self._file.readline())
+        payload = parse_line(next(iter_lines(self._file)))
         assert payload is not None and payload[1] is None  # checked by _index
         return payload[0]  # type: ignore[no-any-return]
 
@@ -304,12 +461,83 @@ def call_body(
     return body
 
 
+class OutputFile:
+    """An output that knows how many records it holds in full.
+
+    Each `write` is one output record (a JSONL line, an SSE transcript, an
+    assembled response). Records are handed on in batches, and after each
+    batch the file is flushed, so `records_written` counts records that
+    reached the file whole; a run that fails to write can say so. A write
+    that fails raises `StreamFailure` naming the output; a closed pipe
+    (``BrokenPipeError``) passes through, since the reader chose to stop.
+    """
+
+    BATCH_BYTES = 1 << 16
+    BATCH_SECONDS = 0.5
+    """A batch goes out at this size or age, so a slow run still shows its
+    output as it goes."""
+
+    def __init__(self, target: BinaryIO, name: str) -> None:
+        self._target = target
+        self.name = name
+        self.records_written = 0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._last_flush = time.monotonic()
+        self._failure: StreamFailure | None = None
+
+    def write(self, record: bytes) -> int:
+        if self._failure is not None:
+            raise self._failure
+        self._pending.append(record)
+        self._pending_bytes += len(record)
+        if (
+            self._pending_bytes >= self.BATCH_BYTES
+            or time.monotonic() - self._last_flush >= self.BATCH_SECONDS
+        ):
+            self.flush()
+        return len(record)
+
+    def flush(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        batch, count = b"".join(self._pending), len(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        try:
+            if batch:
+                self._target.write(batch)
+            self._target.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self._failure = StreamFailure(f"cannot write {self.name}: {exc.strerror or exc}")
+            raise self._failure from None
+        self.records_written += count
+        self._last_flush = time.monotonic()
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+
 @contextlib.contextmanager
-def open_output(path: str) -> Iterator[BinaryIO]:
-    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped."""
+def open_output(path: str) -> Iterator[OutputFile]:
+    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped.
+
+    What was written is flushed on the way out, also when an exception
+    ends the run, so records already answered are not lost.
+
+    Raises:
+        InputError: when the path cannot be opened for writing.
+        StreamFailure: when the last records or the gzip trailer cannot
+            be written.
+
+    """
     if path == "-":
-        yield sys.stdout.buffer
-        sys.stdout.buffer.flush()
+        output = OutputFile(sys.stdout.buffer, "stdout")
+        with _flushed(output):
+            yield output
         return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -318,5 +546,67 @@ def open_output(path: str) -> Iterator[BinaryIO]:
         )
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    with target:
-        yield target
+    output = OutputFile(target, path)
+    try:
+        with _flushed(output):
+            yield output
+    finally:
+        try:
+            target.close()
+        except OSError as exc:
+            # After a failure, the bytes the file refused are still in its
+            # buffer; that failure has been reported already.
+            if not output.failed:
+                raise StreamFailure(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def _flushed(output: OutputFile) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            output.flush()
+        raise
+    if not output.failed:  # a failure was raised, and reported, when it happened
+        output.flush()
+
+
+def refuse_overwriting(inputs: Mapping[str, str | None], outputs: Mapping[str, str | None]) -> None:
+    """Refuse an output that is one of the inputs, or another output:
+    opening an output truncates it, so the input would be lost before it is
+    read. Keys name the flags, for the message; ``-`` is stdin or stdout.
+
+    Raises:
+        InputError: naming the two flags and the file.
+
+    """
+    seen: dict[tuple[int, int], str] = {}
+    for flag, path in inputs.items():
+        identity = _file_identity(path, sys.stdin)
+        if identity is not None:
+            seen.setdefault(identity, f"{flag} {path}")
+    for flag, path in outputs.items():
+        identity = _file_identity(path, sys.stdout)
+        if identity is None:
+            continue
+        if identity in seen:
+            raise InputError(
+                f"{flag} {path} is the same file as {seen[identity]}; writing it "
+                "would destroy it, so choose another output"
+            )
+        seen[identity] = f"{flag} {path}"
+
+
+def _file_identity(path: str | None, standard: Any) -> tuple[int, int] | None:
+    """Device and inode of an existing regular file (`standard` for ``-``),
+    so two names of one file compare equal."""
+    if path is None:
+        return None
+    try:
+        info = os.fstat(standard.fileno()) if path == "-" else os.stat(path)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    return info.st_dev, info.st_ino

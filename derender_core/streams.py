@@ -129,7 +129,7 @@ class StreamLedger:
             )
         if facts.index is not None:
             stream.last_index = facts.index
-            if answer.ok:
+            if answer.is_stream_answer:  # not a one-shot answer to a stray body
                 stream.states[facts.index] = answer.stream_state
             if facts.finished:
                 stream.finished.add(facts.index)

@@ -9,19 +9,27 @@ streams still open are held in memory.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, Protocol, TypeVar
 
 import orjson
 
+from .errors import StreamFailure
 from .protocol import Answer, Endpoint
 from .streams import ChunkFacts
 
+if TYPE_CHECKING:
+    from .records import Record
+
 SSE_DONE = b"data: [DONE]\n\n"
+_MAX_STEM = 200
+"""Longest file name stem for a request's transcript: with a ``-N``
+suffix and ``.sse`` it stays well under the usual 255-byte limit."""
 Group = TypeVar("Group")
 
 
@@ -38,6 +46,15 @@ class Writer(Protocol):
     def close(self) -> None:
         """The input has ended."""
 
+    @property
+    def records_written(self) -> int | None:
+        """Output records the output holds in full, when the output can
+        tell (`records.OutputFile` can)."""
+
+
+def _records_written(target: object) -> int | None:
+    return getattr(target, "records_written", None)
+
 
 class JsonlWriter:
     """One line per answer: the HTTP body the render server would send."""
@@ -53,6 +70,10 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._target.flush()
+
+    @property
+    def records_written(self) -> int | None:
+        return _records_written(self._target)
 
 
 class _GroupedWriter(ABC, Generic[Group]):
@@ -119,6 +140,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         self._target = target
         self._directory = directory
         self._file_names: dict[str | None, str] = {}
+        self._files_written = 0
 
     def _start(self, request_id: str | None) -> list[bytes]:
         return []
@@ -135,12 +157,28 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         # A file left by an earlier run is replaced; a request that shows up
         # again after it completed in this run appends a second transcript.
         mode = "ab" if request_id in self._file_names else "wb"
-        with open(self._directory / self._file_name(request_id), mode) as sse_file:
-            sse_file.write(transcript)
+        path = self._directory / self._file_name(request_id)
+        try:
+            with open(path, mode) as sse_file:
+                sse_file.write(transcript)
+        except OSError as exc:
+            raise StreamFailure(f"cannot write {path}: {exc.strerror or exc}") from None
+        self._files_written += 1
+
+    @property
+    def records_written(self) -> int | None:
+        if self._directory is not None:
+            return self._files_written
+        return _records_written(self._target)
 
     def _file_name(self, request_id: str | None) -> str:
         if request_id not in self._file_names:
             stem = re.sub(r"[^A-Za-z0-9._-]", "_", request_id or "") or "no-request-id"
+            if len(stem) > _MAX_STEM:
+                # File names are limited to 255 bytes: keep the start of a
+                # long id and a digest of all of it, so names stay distinct.
+                digest = hashlib.sha256((request_id or "").encode()).hexdigest()[:16]
+                stem = f"{stem[: _MAX_STEM - 17]}-{digest}"
             taken = set(self._file_names.values())
             name, suffix = f"{stem}.sse", 2
             while name in taken:
@@ -186,7 +224,7 @@ class Assembly:
 
     def take(self, answer: Answer) -> None:
         """Add one call's answer."""
-        if not answer.ok:
+        if not answer.is_stream_answer:  # an error, or a one-shot answer with --lenient
             self.error = self.error or answer.raw
             return
         for chunk in answer.chunks:
@@ -282,6 +320,10 @@ class AssembledWriter(_GroupedWriter[Assembly]):
     def _finish(self) -> None:
         self._target.flush()
 
+    @property
+    def records_written(self) -> int | None:
+        return _records_written(self._target)
+
 
 def _dump(value: Any) -> bytes:
     """Compact JSON, as the server writes it (integer keys become strings)."""
@@ -321,3 +363,31 @@ def _joined_completion_logprobs(pieces: list[Mapping[str, Any]]) -> dict[str, An
         return None
     keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
     return {key: [value for piece in pieces for value in piece.get(key) or []] for key in keys}
+
+
+class ErrorLog:
+    """``--errors FILE``: one JSON line per failed record, for triage: the
+    input file and line, the record's number, the HTTP status and the
+    error record's ``error`` object, and a ``detail`` where the server's
+    message is generic."""
+
+    def __init__(self, target: BinaryIO, input_name: str) -> None:
+        self._target = target
+        self.input_name = input_name
+        """The input the next records come from."""
+
+    def add(self, record: Record, answer: Answer, detail: str | None = None) -> None:
+        error = answer.body.get("error") if isinstance(answer.body, Mapping) else None
+        entry: dict[str, Any] = {
+            "input": self.input_name,
+            "line": record.line,
+            "record": record.number,
+            "status": answer.status,
+            "error": error if error is not None else answer.body,
+        }
+        if detail is not None:
+            entry["detail"] = detail
+        self._target.write(_dump(entry) + b"\n")
+
+    def close(self) -> None:
+        self._target.flush()

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from derender_core import DerenderEngine, RenderConfig, ServeEngine
-from tests.helpers import SAMPLE, RenderServer, ServeOracle
+from tests.helpers import REPO, SAMPLE, RenderServer, ServeOracle
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,
@@ -98,6 +99,23 @@ def llama3_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def stack(request: pytest.FixtureRequest) -> Stack:
     """Each model family in turn."""
     return request.getfixturevalue(f"{request.param}_stack")
+
+
+@pytest.fixture
+def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    """CliRunner in the repository root; the sample config's engine is the
+    session's real one, so a CLI run costs no start-up."""
+    monkeypatch.chdir(REPO)
+    build = DerenderEngine.build.__func__  # type: ignore[attr-defined]
+
+    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False) -> DerenderEngine:
+        absolute = dataclasses.replace(config, model=str(REPO / (config.model or "")))
+        if absolute == sample_config():
+            return qwen3_stack.engine.in_mode(live=live)
+        return build(cls, config, live=live)
+
+    monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
+    yield CliRunner()
 
 
 @dataclass

@@ -8,6 +8,7 @@ timestamps and the random ``chatcmpl-tool-…`` ids.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,8 +16,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +191,34 @@ def server_stream_answers(
             if response.status_code == 200:
                 states[(request_id, index)] = response.json()["stream_state"]
     return answers
+
+
+def invoke(cli: Any, *args: str, stdin: bytes | None = None) -> Any:
+    """Run the Typer app in process (with the `cli` fixture's CliRunner)."""
+    from derender_cli.main import app
+
+    return cli.invoke(app, list(args), input=stdin, catch_exceptions=False)
+
+
+@contextlib.contextmanager
+def slow_pipe(data: bytes, pause: float = 0.3) -> Iterator[str]:
+    """A pipe, as a path, that delivers one byte of `data`, pauses, then
+    the rest: a reader that peeks once sees only the first byte."""
+    read_end, write_end = os.pipe()
+
+    def trickle() -> None:
+        os.write(write_end, data[:1])
+        time.sleep(pause)
+        os.write(write_end, data[1:])
+        os.close(write_end)
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:
+        yield f"/dev/fd/{read_end}"
+    finally:
+        writer.join()
+        os.close(read_end)
 
 
 def run_cli(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:

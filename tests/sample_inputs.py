@@ -11,6 +11,7 @@ inputs from the bundled Qwen3 model.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -571,6 +572,23 @@ def stream_bodies(b: SampleBuilder, plans: list[StreamPlan] | None = None) -> li
     by_id = {plan.request_id: plan for plan in plans}
     chunks = interleave([generate_chunks(plan) for plan in plans])
     return [stream_body(by_id[c["request_id"]], c, b.family.served_name) for c in chunks]
+
+
+def with_rejected_calls(bodies: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
+    """The first two calls of a stream with, between them, calls the server
+    rejects: two choices in one chunk, a stop string, no chat_request, no
+    prompt_token_ids, an inconsistent stream_state, an unknown model."""
+    first, second = [b for b in bodies if b["generate_chunk"]["request_id"] == request_id][:2]
+    two_choices = copy.deepcopy(second)
+    extra = copy.deepcopy(two_choices["generate_chunk"]["choices"][0])
+    two_choices["generate_chunk"]["choices"].append({**extra, "index": 1})
+    with_stop = copy.deepcopy(second)
+    with_stop["chat_request"] = {**with_stop["chat_request"], "stop": ["x"]}
+    no_request = {k: v for k, v in second.items() if k != "chat_request"}
+    no_prompt = {k: v for k, v in second.items() if k != "prompt_token_ids"}
+    bad_state = {**second, "stream_state": {"output_token_ids": [1, 2], "output_chunk_lens": [1]}}
+    wrong_model = {**second, "model": "nope"}
+    return [first, two_choices, with_stop, no_request, no_prompt, bad_state, wrong_model, second]
 
 
 def requests_lines(plans: list[StreamPlan]) -> list[dict[str, Any]]:

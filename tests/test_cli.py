@@ -8,25 +8,23 @@ session's real engine instead of building an identical one per call.
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from derender_cli.main import app
 from typer.testing import CliRunner
 
-from derender_core import DerenderEngine, Endpoint, RenderConfig
-from tests.conftest import Stack, sample_config
+from derender_core import Endpoint
+from tests.conftest import Stack
 from tests.helpers import (
     REPO,
     SAMPLE,
+    invoke,
     normalize,
     offline_env,
     read_jsonl,
@@ -110,27 +108,6 @@ def test_unknown_parser_lists_the_choices() -> None:
 
 
 # --- in process ------------------------------------------------------------
-
-
-@pytest.fixture
-def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
-    """CliRunner in the repository root; the sample config's engine is the
-    session's real one."""
-    monkeypatch.chdir(REPO)
-    build = DerenderEngine.build.__func__  # type: ignore[attr-defined]
-
-    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False) -> DerenderEngine:
-        absolute = dataclasses.replace(config, model=str(REPO / (config.model or "")))
-        if absolute == sample_config():
-            return qwen3_stack.engine.in_mode(live=live)
-        return build(cls, config, live=live)
-
-    monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
-    yield CliRunner()
-
-
-def invoke(cli: CliRunner, *args: str, stdin: bytes | None = None) -> Any:
-    return cli.invoke(app, list(args), input=stdin, catch_exceptions=False)
 
 
 def test_stdin_gzip_to_gzip_file(cli: CliRunner, tmp_path: Path) -> None:

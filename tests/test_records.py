@@ -6,9 +6,11 @@ JSON values, line endings, blank lines and SSE framing.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from derender_core import Endpoint, InputError, RecordError, RequestIndex, iter_records, open_input
+from derender_core import (
+    Endpoint,
+    InputError,
+    OutputFile,
+    RecordError,
+    RequestIndex,
+    StreamFailure,
+    iter_records,
+    open_input,
+    refuse_overwriting,
+)
 from derender_core.records import derender_body, parse_line
+from tests.helpers import slow_pipe
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text() | st.floats(
     allow_nan=False, allow_infinity=False
@@ -28,7 +41,7 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
-line_endings = st.sampled_from([b"\n", b"\r\n", b""])
+line_endings = st.sampled_from([b"\n", b"\r\n", b"\r", b""])
 padding = st.sampled_from([b"", b" ", b"\t", b"  "])
 
 
@@ -40,19 +53,26 @@ def test_json_line_round_trips(value: Any, ending: bytes, before: bytes, after: 
 
 @given(json_values, line_endings, st.sampled_from([b"data: ", b"data:", b"data:  "]))
 def test_sse_data_line_round_trips(value: Any, ending: bytes, prefix: bytes) -> None:
-    assert parse_line(prefix + orjson.dumps(value) + ending) == (value, None)
+    assert parse_line(prefix + orjson.dumps(value) + ending, sse=True) == (value, None)
 
 
-@pytest.mark.parametrize(
-    "line",
-    [b"", b"\n", b"   \r\n", b"data: [DONE]\n", b"data:[DONE]", b"data:\n", b": keep-alive\n",
-     b"event: message\n", b"id: 7\n", b"retry: 100\n"],
-)  # fmt: skip
-def test_lines_that_are_not_records(line: bytes) -> None:
-    assert parse_line(line) is None
+@pytest.mark.parametrize("line", [b"", b"\n", b"   \r\n", b"\r"])
+@pytest.mark.parametrize("sse", [False, True])
+def test_blank_lines_are_not_records(line: bytes, sse: bool) -> None:
+    assert parse_line(line, sse=sse) is None
 
 
-@given(st.text(min_size=1).filter(lambda s: s.strip() and not s.strip().startswith((":", "data:", "event:", "id:", "retry:"))))
+SSE_FRAMING = [b"data: [DONE]\n", b"data:[DONE]", b"data:\n", b": keep-alive\n", b"event: message\n", b"id: 7\n", b"retry: 100\n"]
+
+
+@pytest.mark.parametrize("line", SSE_FRAMING)
+def test_sse_framing_is_not_a_record_in_a_capture_but_a_bad_record_in_jsonl(line: bytes) -> None:
+    assert parse_line(line, sse=True) is None
+    payload, problem = parse_line(line)  # type: ignore[misc]
+    assert payload is None and problem is not None
+
+
+@given(st.text(min_size=1).filter(lambda s: s.strip()))
 def test_invalid_json_reports_pythons_message_and_position(text: str) -> None:
     raw = text.replace("\n", " ").replace("\r", " ").encode()
     try:
@@ -78,10 +98,18 @@ def test_big_integers_stay_exact_as_the_server_reads_them(number: int) -> None:
     assert parse_line(b'{"token_ids": [%d]}' % number) == ({"token_ids": [number]}, None)
 
 
-@given(st.lists(st.one_of(json_values.map(lambda v: ("record", v)), st.sampled_from([("blank", b""), ("blank", b"  "), ("done", b"data: [DONE]")])), max_size=12))
+@given(
+    st.lists(st.one_of(json_values.map(lambda v: ("record", v)), st.sampled_from([("blank", b""), ("blank", b"  "), ("done", b"data: [DONE]")])), max_size=12),
+    st.booleans(),
+)
 @settings(max_examples=60)
-def test_records_are_numbered_and_keep_their_line(items: list[tuple[str, Any]]) -> None:
-    lines = [orjson.dumps(v) if kind == "record" else v for kind, v in items]
+def test_records_are_numbered_and_keep_their_line(items: list[tuple[str, Any]], sse: bool) -> None:
+    """In JSONL every line that is not blank is a record; in an SSE capture
+    (data: lines) the [DONE] marker is not."""
+    if not sse:
+        items = [(kind, v) for kind, v in items if kind != "done"]
+    prefix = b"data: " if sse else b""
+    lines = [prefix + orjson.dumps(v) if kind == "record" else v for kind, v in items]
     records = list(iter_records(io.BytesIO(b"\n".join(lines) + b"\n")))
     expected = [(n, v) for n, (kind, v) in enumerate(items, start=1) if kind == "record"]
     assert [(r.line, r.payload) for r in records] == expected
@@ -216,3 +244,228 @@ def test_anything_that_is_not_bare_output_goes_to_the_endpoint_unchanged(value: 
     if isinstance(value, dict) and "choices" in value:
         return
     assert derender_body(value, Endpoint.CHAT, stream=False, requests=None) is value
+
+
+# --- hostile lines: deep nesting, huge integers ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "detail"),
+    [
+        (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+        (b"[" * 1030 + b"]" * 1030, "nested too deeply"),
+        (b'{"token_ids": [' + b"9" * 4301 + b"]}", "4300 digits"),
+        (b'{"x": "' + b"1" * 30 + b'", "n": -' + b"7" * 5000 + b"}", "4300 digits"),
+    ],
+)
+def test_lines_the_servers_parser_gives_up_on_are_bad_records(line: bytes, detail: str) -> None:
+    """FastAPI answers a body its JSON parser gives up on with its generic
+    400 (position None); the line is a bad record, never a crash."""
+    payload, problem = parse_line(line)  # type: ignore[misc]
+    assert payload is None and problem is not None
+    assert problem.position is None and detail in problem.message
+    good = orjson.dumps({"ok": 1})
+    records = list(iter_records(io.BytesIO(good + b"\n" + line + b"\n" + good + b"\n")))
+    assert [(r.number, r.line, r.payload) for r in records] == [(1, 1, {"ok": 1}), (2, 2, None), (3, 3, {"ok": 1})]
+
+
+# --- what an input is: JSONL or an SSE capture --------------------------------
+
+
+@given(st.lists(st.one_of(json_values.map(orjson.dumps), st.sampled_from(SSE_FRAMING).map(lambda line: line.rstrip(b"\n"))), min_size=1, max_size=12))
+@settings(max_examples=60)
+def test_jsonl_lines_that_look_like_sse_are_bad_records_not_dropped(lines: list[bytes]) -> None:
+    """Output line i answers input line i: nothing that is not blank is
+    dropped from a JSONL input, whatever it looks like."""
+    data = orjson.dumps({"first": "record"}) + b"\n" + b"\n".join(lines) + b"\n"
+    records = list(iter_records(io.BytesIO(data)))
+    assert [r.line for r in records] == list(range(1, len(lines) + 2))
+
+
+def test_an_sse_capture_is_recognised_after_comments_and_fields() -> None:
+    capture = b": ping\nevent: message\nid: 1\n\ndata: {\"a\": 1}\n\nid: 2\ndata: {\"a\": 2}\n\ndata: [DONE]\n"
+    records = list(iter_records(io.BytesIO(capture)))
+    assert [(r.line, r.payload) for r in records] == [(5, {"a": 1}), (8, {"a": 2})]
+
+
+def test_leading_framing_beyond_the_sniff_window_reads_as_jsonl() -> None:
+    from derender_core.records import SSE_SNIFF_LINES
+
+    data = b": comment\n" * SSE_SNIFF_LINES + b'data: {"a": 1}\n'
+    records = list(iter_records(io.BytesIO(data)))
+    assert len(records) == SSE_SNIFF_LINES + 1 and all(r.problem is not None for r in records)
+
+
+# --- line endings and chunking ------------------------------------------------
+
+
+class Trickle(io.RawIOBase):
+    """A stream that hands out its bytes in the given read sizes, as a pipe
+    or a slow network mount does."""
+
+    def __init__(self, data: bytes, sizes: list[int]) -> None:
+        self._data = data
+        self._sizes = sizes or [1]
+        self._reads = 0
+        self.name = "trickle"
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self._sizes[self._reads % len(self._sizes)], len(self._data))
+        self._reads += 1
+        buffer[:size] = self._data[:size]
+        self._data = self._data[size:]
+        return size
+
+
+@given(
+    st.lists(st.tuples(st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")), st.sampled_from([b"\n", b"\r\n", b"\r"])), max_size=10),
+    st.lists(st.integers(1, 7), min_size=1, max_size=5),
+)
+def test_lines_end_in_lf_crlf_or_cr_however_the_reads_split_them(lines: list[tuple[bytes, bytes]], sizes: list[int]) -> None:
+    from derender_core.records import iter_lines
+
+    data = b"".join(text + ending for text, ending in lines)
+    stream = io.BufferedReader(Trickle(data, sizes), buffer_size=8)
+    assert list(iter_lines(stream)) == data.splitlines(keepends=True)
+
+
+def test_cr_only_line_endings_are_lines() -> None:
+    data = b'{"a": 1}\r{"a": 2}\r\r{"a": 3}'
+    records = list(iter_records(io.BytesIO(data)))
+    assert [(r.line, r.payload) for r in records] == [(1, {"a": 1}), (2, {"a": 2}), (4, {"a": 3})]
+
+
+# --- gzip: detection on a slow pipe, truncated and corrupt streams ---------------
+
+
+def test_gzip_is_detected_when_a_pipe_delivers_one_byte_first() -> None:
+    rows = [{"n": i} for i in range(20)]
+    packed = gzip.compress(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    with slow_pipe(packed) as path, open_input(path) as stream:
+        assert [r.payload for r in iter_records(stream)] == rows
+
+
+def _gzip_lines(count: int) -> bytes:
+    return gzip.compress(b"".join(orjson.dumps({"n": i, "pad": "x" * 200}) + b"\n" for i in range(count)))
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda packed: packed[: len(packed) * 2 // 3], "ends early"),
+        (lambda packed: packed[:200] + bytes(b ^ 0x5A for b in packed[200:400]) + packed[400:], "cannot read"),
+    ],
+    ids=["truncated", "corrupt"],
+)
+def test_a_broken_gzip_input_fails_the_stream_after_the_good_records(tmp_path: Path, mangle: Any, message: str) -> None:
+    path = tmp_path / "broken.jsonl.gz"
+    path.write_bytes(mangle(_gzip_lines(500)))
+    seen = []
+    with pytest.raises(StreamFailure, match=message) as failure, open_input(str(path)) as stream:
+        for record in iter_records(stream):
+            seen.append(record.payload["n"])
+    assert str(path) in str(failure.value)
+    assert seen == list(range(len(seen)))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (_gzip_lines(300)[:-40], "ends early"),
+        (b'{"request_id": "a", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}\n", "2:|1: not JSON"),
+        (b'{"request_id": "a", "n": ' + b"9" * 5000 + b"}\n", "1: not JSON"),
+    ],
+    ids=["truncated-gzip", "deep", "huge-integer"],
+)
+def test_a_broken_requests_file_is_a_usage_error(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        RequestIndex(str(path))
+
+
+def test_requests_file_with_cr_line_endings(tmp_path: Path) -> None:
+    rows = [{"request_id": f"r{i}", "chat_request": {}, "prompt_token_ids": [i]} for i in range(5)]
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(b"\r".join(orjson.dumps(r) for r in rows))
+    index = RequestIndex(str(path))
+    try:
+        assert [index.lookup(f"r{i}") for i in (4, 0, 2)] == [rows[4], rows[0], rows[2]]
+    finally:
+        index.close()
+
+
+# --- outputs: what was written, and outputs that are inputs -------------------
+
+
+class FillingDisk(io.RawIOBase):
+    """A file on a disk that fills up after `room` bytes."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.data = b""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if len(self.data) + len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.data += bytes(data)
+        return len(data)
+
+
+@given(st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=60), st.integers(0, 50_000))
+@settings(max_examples=60, deadline=None)
+def test_records_written_counts_only_records_the_file_holds_in_full(records: list[bytes], room: int) -> None:
+    disk = FillingDisk(room)
+    output = OutputFile(io.BufferedWriter(disk, buffer_size=1024), "disk")
+    output.BATCH_BYTES = 4096
+    failure = None
+    try:
+        for record in records:
+            output.write(record)
+        output.flush()
+    except StreamFailure as exc:
+        failure = exc
+    held = b"".join(records[: output.records_written])
+    assert disk.data.startswith(held)
+    if failure is None:
+        assert output.records_written == len(records) and disk.data == b"".join(records)
+    else:
+        assert "cannot write disk: No space left on device" in str(failure)
+        assert output.records_written < len(records)
+        with pytest.raises(StreamFailure):
+            output.write(b"more")
+
+
+def test_a_closed_pipe_is_not_an_output_failure() -> None:
+    class ClosedPipe(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    output = OutputFile(ClosedPipe(), "stdout")  # type: ignore[arg-type]
+    output.write(b"x")
+    with pytest.raises(BrokenPipeError):
+        output.flush()
+
+
+def test_outputs_that_are_inputs_are_refused(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(source)
+    os.link(source, tmp_path / "hard.jsonl")
+    for alias in ("in.jsonl", "link.jsonl", "hard.jsonl", "./in.jsonl"):
+        with pytest.raises(InputError, match="is the same file as INPUT"):
+            refuse_overwriting({"INPUT": str(source)}, {"-o": str(tmp_path / alias)})
+    (tmp_path / "out").touch()
+    with pytest.raises(InputError, match="--errors .* is the same file as -o"):
+        refuse_overwriting({"INPUT": str(source)}, {"-o": str(tmp_path / "out"), "--errors": str(tmp_path / "out")})
+    refuse_overwriting({"INPUT": str(source), "--requests": None}, {"-o": str(tmp_path / "new.jsonl"), "--errors": None})
+    assert source.read_text() == "{}\n"

@@ -11,3 +11,9 @@ One module per vLLM surface this project drives:
 A vLLM upgrade is reviewed here and nowhere else. Importing this package
 does not import vLLM: each module imports it when a path is built.
 """
+
+import os
+
+# vLLM picks its platform when first imported; this process has no GPU and
+# needs none, so any module of the seam may be the first to import vLLM.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

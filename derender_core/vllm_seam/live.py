@@ -49,6 +49,7 @@ from vllm.renderers.online_derenderer import (
     _resolve_logprobs,
     _seed_stream_state,
 )
+from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 
 
 class LiveDerenderer(OnlineDerenderer):
@@ -80,7 +81,10 @@ class LiveDerenderer(OnlineDerenderer):
             return await self._replay_chat_stream_parsed_async(  # type: ignore[no-any-return]
                 parser_cls, model, generate_chunk, state, chat_request, prompt_tokens, prompt_token_ids
             )
-        if isinstance(state, LiveState) and state.continues(chat_request, prompt_token_ids):
+        if isinstance(state, LiveState) and (
+            # A chunk without a choice (usage) steps nothing: any state will do.
+            not generate_chunk.choices or state.continues(chat_request, prompt_token_ids)
+        ):
             stream = state.stream
         else:
             base = state.to_model() if isinstance(state, LiveState) else state
@@ -104,7 +108,7 @@ class _LiveStream:
         self.request = request
         self.prompt_token_ids = prompt_token_ids
         self.base = base
-        self.tokenizer = derenderer.renderer.get_tokenizer()
+        self.tokenizer = _single_thread_view(derenderer.renderer.get_tokenizer())
         self.processor = ChatStreamProcessor(
             request,
             parser_cls(
@@ -298,6 +302,23 @@ class LiveState:
 
     def model_dump(self) -> dict[str, Any]:
         return self.to_model().model_dump()
+
+
+def _single_thread_view(tokenizer: Any) -> Any:
+    """The tokenizer without vLLM's thread-pool wrapper.
+
+    vLLM routes every call of a fast tokenizer through a queue of deep
+    copies (``maybe_make_thread_pool``) so that its executor threads can
+    decode at once. A live stream steps on one thread only, and the wrapper
+    costs about a quarter of a step; this view calls the same tokenizer
+    class's own methods on the same state, so every result is the same.
+    """
+    if not isinstance(tokenizer, ThreadSafeHFTokenizerMixin):
+        return tokenizer
+    unwrapped = type(tokenizer).__mro__[1]  # TokenizerPool(<the tokenizer's class>, mixin)
+    view = object.__new__(unwrapped)
+    view.__dict__.update(tokenizer.__dict__)
+    return view
 
 
 class _Prefix(Sequence[int]):

@@ -16,13 +16,13 @@ import asyncio
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import RenderConfig
 from ..errors import ConfigError
-from ..protocol import Answer, Endpoint, StreamAnswer, render_json
+from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
 from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
 
 _T = TypeVar("_T")
@@ -54,15 +54,26 @@ class DerenderEngine:
     ) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequestUnion,
+            DerenderChatStreamRequest,
             DerenderCompletionRequestUnion,
+            DerenderCompletionStreamRequest,
         )
 
         self._serving = serving
         self.startup_seconds = startup_seconds
         self.live = live
+        self.vocab_size = _vocab_size(self.tokenizer)
+        """The tokenizer's full size, added tokens included: ids at or above
+        it decode as nothing."""
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
             Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
             Endpoint.COMPLETION: _body_adapter(DerenderCompletionRequestUnion),
+        }
+        # A body known to be a stream call succeeds only as the union's
+        # streaming member, so live mode validates it against that alone.
+        self._stream_bodies: dict[Endpoint, TypeAdapter[Any]] = {
+            Endpoint.CHAT: _body_adapter(DerenderChatStreamRequest),
+            Endpoint.COMPLETION: _body_adapter(DerenderCompletionStreamRequest),
         }
         # One loop for the engine and its `in_mode` copies, across calls like
         # the server's; a stack whose tasks live on a loop brings that loop.
@@ -94,7 +105,36 @@ class DerenderEngine:
             raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
-        return cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+        engine._check_tokenizer(config.tokenizer or config.model or "")
+        return engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's tokenizer for the model, as the derenderer decodes with it."""
+        return self._serving.online_derenderer.renderer.get_tokenizer()
+
+    def _check_tokenizer(self, directory: str) -> None:
+        """Refuse a tokenizer that can only decode its special tokens.
+
+        Given a directory with ``config.json`` but no tokenizer files,
+        transformers builds an empty tokenizer of the model's class and
+        every answer would have empty content; the server starts anyway.
+
+        Raises:
+            ConfigError: naming the directory.
+
+        """
+        try:
+            special = len(set(self.tokenizer.all_special_ids))
+        except (AttributeError, NotImplementedError):
+            special = 1
+        if self.vocab_size <= special:
+            raise ConfigError(
+                f"{directory}: the tokenizer holds {self.vocab_size} token(s), only special "
+                "ones, so every answer would be empty. Are its tokenizer files "
+                "(tokenizer.json, tokenizer.model, vocab.json, ...) missing?"
+            )
 
     def in_mode(self, *, live: bool) -> DerenderEngine:
         """This engine in live or replay mode, sharing the stack."""
@@ -114,20 +154,26 @@ class DerenderEngine:
             )
         request = self._known_stream_request(endpoint, body) if self.live else None
         if request is None:
+            checked = _materialized(body)
+            if self.live and isinstance(body, Mapping) and isinstance(body.get(endpoint.request_key), dict):
+                # vLLM's request validators fill defaults into the dict they
+                # are given (tool_choice, say); the request to remember is the
+                # one the caller sent.
+                checked = {**checked, endpoint.request_key: copy.deepcopy(body[endpoint.request_key])}
             try:
-                request = self._bodies[endpoint].validate_python(
-                    _materialized(body), from_attributes=True
-                )
+                request = self._bodies[endpoint].validate_python(checked, from_attributes=True)
             except ValidationError as exc:
                 # FastAPI reports body errors under a leading "body" location.
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
                 return self._validation_answer(errors)
+            except Exception as exc:  # RecursionError, say: the app's catch-all
+                return self.internal_error(exc)
             if self.live:
                 self._remember_stream_request(endpoint, body, request)
         try:
             return self._run(self._dispatch(endpoint, request))
         except Exception as exc:  # the app's catch-all handlers, in order
-            return self._exception_answer(exc)
+            return self.internal_error(exc)
 
     def _known_stream_request(self, endpoint: Endpoint, body: Any) -> Any:
         """A streaming body whose request and prompt are those of an earlier
@@ -153,10 +199,8 @@ class DerenderEngine:
         if state is not None and not _is_state_object(state):
             rest["stream_state"] = state
         try:
-            request = self._bodies[endpoint].validate_python(rest, from_attributes=True)
+            request = self._stream_bodies[endpoint].validate_python(rest, from_attributes=True)
         except ValidationError:
-            return None
-        if not getattr(request, "stream", False):
             return None
         setattr(request, key, request_model)
         request.prompt_token_ids = prompt_ids
@@ -182,12 +226,16 @@ class DerenderEngine:
 
     def invalid_json(self, message: str, position: int | None) -> Answer:
         """The answer to a body that is not JSON, as FastAPI words it; a
-        body that is not even text (position None) gets its generic 400."""
+        body its parser gives up on as a whole (not text, nested too deeply,
+        an integer too long: position None) gets its generic 400.
+
+        FastAPI raises Starlette's ``HTTPException`` for that one, and vLLM
+        registers its handler for FastAPI's subclass only, so FastAPI's own
+        default handler answers: ``{"detail": ...}``, not vLLM's error shape.
+        """
         if position is None:
-            from fastapi import HTTPException
-            from vllm.entrypoints.serve.exception_handling.handlers.http import (
-                http_exception_handler,
-            )
+            from fastapi.exception_handlers import http_exception_handler
+            from starlette.exceptions import HTTPException
 
             return self._handled(
                 http_exception_handler,
@@ -232,10 +280,22 @@ class DerenderEngine:
         self._loop.close()
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        """Run a handler coroutine on the engine's event loop."""
+        """Run a handler coroutine to its end.
+
+        Most calls never wait on anything (a live stream steps in place),
+        so the coroutine is first stepped here, without the cost of an
+        event-loop turn; one that awaits vLLM's thread pool (its
+        ``make_async`` helpers) finishes on the engine's event loop.
+        """
         if self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coroutine)
+        # make_async binds its futures to the current event loop.
+        asyncio.set_event_loop(self._loop)
+        try:
+            awaited = coroutine.send(None)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        return self._loop.run_until_complete(_finish(coroutine, awaited))
 
     async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
         """The body of the api_router handlers for the derender paths."""
@@ -272,17 +332,61 @@ class DerenderEngine:
 
         return self._handled(validation_exception_handler, RequestValidationError(errors))
 
-    def _exception_answer(self, exc: Exception) -> Answer:
+    def internal_error(self, exc: Exception) -> Answer:
+        """What the app's catch-all exception handler answers for `exc`."""
         from vllm.entrypoints.serve.exception_handling.handlers.exception import (
             exception_handler,
         )
 
-        return self._handled(exception_handler, exc)
+        return self._handled(exception_handler, exc, fallback=False)
 
-    def _handled(self, handler: Callable[[Any, Any], Coroutine[Any, Any, Any]], exc: Exception) -> Answer:
+    def _handled(
+        self,
+        handler: Callable[[Any, Any], Coroutine[Any, Any, Any]],
+        exc: Exception,
+        *,
+        fallback: bool = True,
+    ) -> Answer:
         """The answer one of the app's exception handlers gives for `exc`."""
-        response = self._run(handler(_HANDLER_REQUEST, exc))
+        try:
+            response = self._run(handler(_HANDLER_REQUEST, exc))
+        except Exception as failure:
+            # A handler that fails itself (echoing a deeply nested input, say)
+            # gets the server's bare "Internal Server Error" text; a JSONL
+            # output needs JSON, so it gets the catch-all handler's shape.
+            if not fallback:
+                raise
+            return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
+
+
+async def _finish(coroutine: Coroutine[Any, Any, _T], awaited: Any) -> _T:
+    """Await the rest of a coroutine that was stepped once by hand."""
+    return await _Resumed(coroutine, awaited)
+
+
+class _Resumed:
+    """An awaitable that goes on driving a coroutine from the point where
+    it yielded `awaited`, passing results and exceptions through."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], awaited: Any) -> None:
+        self._coroutine = coroutine
+        self._awaited = awaited
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        awaited = self._awaited
+        while True:
+            try:
+                sent = yield awaited
+            except BaseException as exc:  # noqa: BLE001 - thrown into the coroutine
+                resume: Callable[[Any], Any] = self._coroutine.throw
+                argument: Any = exc
+            else:
+                resume, argument = self._coroutine.send, sent
+            try:
+                awaited = resume(argument)
+            except StopIteration as done:
+                return done.value
 
 
 # vLLM's exception handlers read only ``request.app.state.args.log_error_stack``
@@ -335,8 +439,18 @@ def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
     return StreamAnswer(chunk, chunk_raw, state, _dump_state)
 
 
-def _dump_state(state: Any) -> Any:
-    return state.model_dump()
+def _vocab_size(tokenizer: Any) -> int:
+    """Every id the tokenizer can decode is below this: its length counts
+    added tokens, and its highest id covers any gap."""
+    size = len(tokenizer)
+    try:
+        return max(size, int(tokenizer.max_token_id) + 1)
+    except (AttributeError, NotImplementedError):
+        return size
+
+
+def _dump_state(state: Any) -> bytes:
+    return render_state(state.model_dump())
 
 
 def _is_state_object(state: Any) -> bool:

@@ -67,10 +67,10 @@ import gc
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import RenderConfig
 from ..errors import ConfigError
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("derender.serve")
+_T = TypeVar("_T")
 
 STREAMS_KEPT = 4096
 """Serve streams kept open at once (and ended ones remembered); the oldest
@@ -537,10 +538,19 @@ class ServeEngine(DerenderEngine):
             raise ConfigError(f"cannot start the serve stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
-        return cls(state, core, resources, time.perf_counter() - started, loop)
+        engine = cls(state, core, resources, time.perf_counter() - started, loop)
+        engine._check_tokenizer(config.tokenizer or config.model or "")
+        return engine
 
     def in_mode(self, *, live: bool) -> DerenderEngine:
         return self  # the serve path has one mode
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        # Every call drives tasks on the stack's loop (the output handler,
+        # serve's stream generator), so none may start outside it.
+        if self._loop.is_closed():
+            raise RuntimeError("the serve stack is closed")
+        return self._loop.run_until_complete(coroutine)
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         # The handler re-reads the original request from the raw body, as

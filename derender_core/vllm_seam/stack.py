@@ -68,6 +68,7 @@ def server_args(config: RenderConfig) -> Namespace:
     """Parse the settings with the parser `vllm launch render` uses, so every
     flag not mirrored here keeps the server's default."""
     from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.exceptions import VLLMError
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class _RaisingParser(FlexibleArgumentParser):
@@ -78,7 +79,9 @@ def server_args(config: RenderConfig) -> Namespace:
     args = parser.parse_args(config.to_vllm_argv())
     try:
         validate_parsed_serve_args(args)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, VLLMError) as exc:
+        # A VLLMError here is vLLM's own refusal to start, e.g. a
+        # --chat-template path that does not exist.
         raise ConfigError(str(exc).removeprefix("Error: ")) from None
     _check_choices(args)
     return args

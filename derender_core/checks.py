@@ -1,0 +1,291 @@
+"""Our own checks on a derender body, made before it is sent.
+
+The render server answers some wrong records as if they were fine: an
+out-of-vocabulary token id decodes as nothing, ``true`` is read as token 1,
+a negative id in a stream chunk or a negative ``prompt_tokens`` passes, and
+choice indices are taken as given (outside ``0..n-1``, repeated, or with a
+choice missing). The answer looks right and the data is gone. These checks
+find such records and name the field and the problem, so the record gets an
+error record instead. They also refuse bodies that cannot be what the
+command derenders (a one-shot body given to ``derender stream``, a body
+with both a response and a chunk).
+
+Only what vLLM accepts is checked: what it rejects, it words itself, so the
+error records stay the server's. ``--lenient`` turns the checks off and
+reproduces the server bug for bug. Batch execution runs them before the
+call, whatever path answers it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+from .protocol import Endpoint
+
+_RESPONSE_KEYS = ("generate_response", "generate_responses")
+
+
+class _Found(Exception):
+    """The first problem found; its message names the field."""
+
+
+def check_body(body: Any, endpoint: Endpoint, *, stream: bool, vocab_size: int) -> str | None:
+    """The first problem in a body, as ``field: problem``, or None.
+
+    `vocab_size` is the tokenizer's full size, added tokens included: ids at
+    or above it decode as nothing.
+    """
+    if not isinstance(body, Mapping):
+        return None  # the server's validation words this
+    checker = _Checker(vocab_size)
+    try:
+        _check_shape(body, stream)
+        request = body.get(endpoint.request_key)
+        n = _requested_choices(request)
+        n_source = f"{endpoint.request_key}.n" if isinstance(request, Mapping) else None
+        if stream:
+            checker.stream_call(body, n, n_source)
+        elif endpoint is Endpoint.CHAT:
+            checker.chat_call(body, n, n_source)
+        else:
+            checker.completion_call(body, n, n_source)
+    except _Found as found:
+        return str(found)
+    return None
+
+
+def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
+    response_key = next((key for key in _RESPONSE_KEYS if key in body), None)
+    if response_key is not None and "generate_chunk" in body:
+        raise _Found(
+            f"generate_chunk: the body also holds {response_key}; a derender call "
+            "takes a whole response or one stream chunk, not both"
+        )
+    if stream and body.get("stream") is not True:
+        given = _shown(body["stream"]) if "stream" in body else "not set"
+        raise _Found(
+            f"stream: {given}, so this is a one-shot call; "
+            "`derender stream` takes streaming calls (\"stream\": true with a "
+            "generate_chunk). Derender one-shot bodies with `derender chat` or "
+            "`derender completion`."
+        )
+
+
+def _requested_choices(request: Any) -> int | None:
+    """``n`` of the original request (its default 1 when unset); None
+    without a request, when only the choices themselves can be checked."""
+    if not isinstance(request, Mapping):
+        return None
+    n = request.get("n")
+    return n if type(n) is int and n >= 1 else 1
+
+
+class _Checker:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    # --- the three kinds of call -------------------------------------------
+
+    def chat_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
+        self.response("generate_response", body.get("generate_response"), n, n_source, positional=False)
+        self.ids("prompt_token_ids", body.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.count("prompt_tokens", body.get("prompt_tokens"))
+
+    def completion_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
+        responses = body.get("generate_responses")
+        if isinstance(responses, list):
+            for k, response in enumerate(responses):
+                # vLLM numbers completion choices by position, not by index.
+                self.response(f"generate_responses[{k}]", response, n, n_source, positional=True)
+        prompts = body.get("prompt_token_ids")
+        if isinstance(prompts, list):
+            for k, prompt in enumerate(prompts):
+                self.ids(f"prompt_token_ids[{k}]", prompt, negatives_checked_by_vllm=True)
+        counts = body.get("prompt_tokens")
+        if isinstance(counts, list):
+            for k, count in enumerate(counts):
+                self.count(f"prompt_tokens[{k}]", count)
+
+    def stream_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
+        chunk = body.get("generate_chunk")
+        if isinstance(chunk, Mapping):
+            choices = chunk.get("choices")
+            # vLLM refuses more than one choice per chunk in its own words.
+            if isinstance(choices, list) and len(choices) == 1:
+                for i, choice in enumerate(choices):
+                    path = f"generate_chunk.choices[{i}]"
+                    if isinstance(choice, Mapping):
+                        self.index(f"{path}.index", choice.get("index"), n, n_source)
+                        # A stream chunk's ids are plain ints to vLLM: negatives pass.
+                        self.ids(f"{path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
+                        self.logprobs(f"{path}.logprobs", choice.get("logprobs"))
+            self.ids("generate_chunk.prompt_token_ids", chunk.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.ids("prompt_token_ids", body.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.count("prompt_tokens", body.get("prompt_tokens"))
+        state = body.get("stream_state")
+        if isinstance(state, Mapping):  # a captured state, sent as it is
+            for key in ("output_token_ids", "logprob_context_token_ids"):
+                self.ids(f"stream_state.{key}", state.get(key), negatives_checked_by_vllm=False)
+
+    # --- fields ------------------------------------------------------------
+
+    def response(
+        self, path: str, response: Any, n: int | None, n_source: str | None, *, positional: bool
+    ) -> None:
+        if not isinstance(response, Mapping):
+            return
+        choices = response.get("choices")
+        if isinstance(choices, list):
+            self.choice_indices(f"{path}.choices", choices, n, n_source, positional=positional)
+            for i, choice in enumerate(choices):
+                if isinstance(choice, Mapping):
+                    choice_path = f"{path}.choices[{i}]"
+                    self.ids(f"{choice_path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=True)
+                    self.logprobs(f"{choice_path}.logprobs", choice.get("logprobs"))
+        self.ids(f"{path}.prompt_token_ids", response.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+
+    def logprobs(self, path: str, logprobs: Any) -> None:
+        content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+        if not isinstance(content, list):
+            return
+        # The common case, every id good, without a call per id; the walk
+        # below finds the field to name.
+        try:
+            ids = [entry["token_id"] for entry in content]
+            ids += [top["token_id"] for entry in content for top in entry.get("top_logprobs") or ()]
+        except (TypeError, KeyError, AttributeError):
+            ids = []
+        if ids and self.all_good(ids, negatives_checked_by_vllm=False):
+            return
+        for k, entry in enumerate(content):
+            if not isinstance(entry, Mapping):
+                continue
+            entry_path = f"{path}.content[{k}]"
+            # Logprob token ids are plain ints to vLLM: negatives pass.
+            self.id(f"{entry_path}.token_id", entry.get("token_id"), negatives_checked_by_vllm=False)
+            top = entry.get("top_logprobs")
+            if isinstance(top, list):
+                for m, alternative in enumerate(top):
+                    if isinstance(alternative, Mapping):
+                        self.id(
+                            f"{entry_path}.top_logprobs[{m}].token_id",
+                            alternative.get("token_id"),
+                            negatives_checked_by_vllm=False,
+                        )
+
+    def choice_indices(
+        self, path: str, choices: list[Any], n: int | None, n_source: str | None, *, positional: bool
+    ) -> None:
+        seen: dict[int, int] = {}
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, Mapping):
+                continue
+            index = choice.get("index")
+            if not self.index(f"{path}[{i}].index", index, n if n is not None else len(choices), n_source):
+                continue
+            if index in seen:
+                raise _Found(f"{path}[{i}].index: {index} repeats {path}[{seen[index]}].index")
+            if positional and index != i:
+                raise _Found(
+                    f"{path}[{i}].index: {index} at position {i}; completion choices are "
+                    f"numbered by position, so the server would answer it as choice {i}"
+                )
+            seen[index] = i
+        if n is not None and seen:
+            missing = [index for index in range(n) if index not in seen]
+            if missing:
+                raise _Found(
+                    f"{path}: no choice with index {missing[0]} ({n_source} is {n}, "
+                    f"{len(seen)} choice{'s' if len(seen) != 1 else ''} given)"
+                )
+
+    def index(self, path: str, index: Any, n: int | None, n_source: str | None) -> bool:
+        """Check one choice index; False when it is not an integer vLLM
+        reads (vLLM's validation words that)."""
+        if not self.integer(path, index, "an integer"):
+            return False
+        if n is not None and not 0 <= index < n:
+            bound = f"{n_source} is {n}" if n_source else f"{n} choice{'s' if n != 1 else ''}"
+            raise _Found(f"{path}: {index} is outside 0..{n - 1} ({bound})")
+        return True
+
+    def all_good(self, ids: list[Any], *, negatives_checked_by_vllm: bool) -> bool:
+        """Whether every id is a good integer, at C speed: the common case."""
+        if set(map(type, ids)) != {int}:
+            return False
+        return max(ids) < self.vocab_size and (negatives_checked_by_vllm or min(ids) >= 0)
+
+    def ids(self, path: str, ids: Any, *, negatives_checked_by_vllm: bool) -> None:
+        if not isinstance(ids, list) or not ids:
+            return
+        if self.all_good(ids, negatives_checked_by_vllm=negatives_checked_by_vllm):
+            return
+        for j, token_id in enumerate(ids):
+            self.id(f"{path}[{j}]", token_id, negatives_checked_by_vllm=negatives_checked_by_vllm)
+
+    def id(self, path: str, token_id: Any, *, negatives_checked_by_vllm: bool) -> None:
+        if not self.integer(path, token_id, "a token id"):
+            return
+        if token_id < 0 and not negatives_checked_by_vllm:
+            raise _Found(f"{path}: token id {token_id} is negative")
+        if token_id >= self.vocab_size:
+            raise _Found(f"{path}: token id {token_id} is out of vocabulary (size {self.vocab_size})")
+
+    def count(self, path: str, count: Any) -> None:
+        if self.integer(path, count, "a count") and count < 0:
+            raise _Found(f"{path}: {count} is negative")
+
+    @staticmethod
+    def integer(path: str, value: Any, role: str) -> bool:
+        """True for a JSON integer. A value vLLM reads as an integer
+        although it is none (``true``, ``2.0``, ``"7"``) is a problem; for
+        anything else, False: vLLM refuses it in its own words."""
+        if type(value) is int:
+            return True
+        read_as = _read_as_int(value)
+        if read_as is None:
+            return False
+        raise _Found(
+            f"{path}: {_shown(value)} is a {_json_type(value)}, not {role} "
+            f"(the server would read it as {_shown(read_as)})"
+        )
+
+
+def _read_as_int(value: Any) -> int | None:
+    """What vLLM's models (pydantic, lax mode) read an int field as, for a
+    value that is not a JSON integer: ``true`` is 1, ``2.0`` is 2, ``"3"``
+    is 3. None when they refuse it."""
+    if value is None or isinstance(value, (list, dict)):
+        return None
+    try:
+        return _int_reader().validate_python(value)  # type: ignore[no-any-return]
+    except ValueError:  # pydantic's ValidationError
+        return None
+
+
+@cache
+def _int_reader() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(int)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    return type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
