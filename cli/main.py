@@ -660,7 +660,7 @@ def parity(
             f"{skipped} not compared; paths {', '.join(selected)}",
             markup=False,
         )
-    return 1 if found or skipped else 0
+    return ExitStatus.RECORDS_FAILED if found or skipped else ExitStatus.OK
 
 
 def _parity_paths(paths: list[str] | None) -> list[str]:
@@ -721,10 +721,10 @@ def diff(
             )
     except DerenderError as exc:
         console.print(f"derender: error: {exc}", markup=False)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitStatus.USAGE) from None
     if not quiet:
         console.print(f"derender: diff: {len(found)} divergences", markup=False)
-    raise typer.Exit(1 if found else 0)
+    raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
 
 
 def version_callback(value: bool) -> None:

@@ -257,13 +257,9 @@ def is_sse_capture(lines: Iterable[bytes]) -> bool:
     return False
 
 
-def iter_records(stream: BinaryIO) -> Iterator[Record]:
-    """Yield the records of a JSONL file or SSE capture, one line at a time.
-
-    Raises:
-        StreamFailure: when the stream cannot be read on.
-
-    """
+def sniff_lines(stream: BinaryIO) -> tuple[bool, Iterator[bytes]]:
+    """Whether the stream is an SSE capture, judged from its first lines,
+    and all its lines (those read to judge first)."""
     lines = iter_lines(stream)
     head: list[bytes] = []
     for line in lines:
@@ -271,9 +267,19 @@ def iter_records(stream: BinaryIO) -> Iterator[Record]:
         text = line.strip()
         if (text and not _is_sse_framing(text)) or len(head) >= SSE_SNIFF_LINES:
             break
-    sse = is_sse_capture(head)
+    return is_sse_capture(head), chain(head, lines)
+
+
+def iter_records(stream: BinaryIO) -> Iterator[Record]:
+    """Yield the records of a JSONL file or SSE capture, one line at a time.
+
+    Raises:
+        StreamFailure: when the stream cannot be read on.
+
+    """
+    sse, lines = sniff_lines(stream)
     number = 0
-    for line_number, line in enumerate(chain(head, lines), start=1):
+    for line_number, line in enumerate(lines, start=1):
         parsed = parse_line(line, sse=sse)
         if parsed is None:
             continue

@@ -23,7 +23,7 @@ import orjson
 from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed, compare
 from .errors import InputError
 from .protocol import Endpoint
-from .records import open_input, parse_line
+from .records import open_input, parse_line, sniff_lines
 from .writers import Assembly
 
 EXPECTED = "expected"
@@ -94,14 +94,14 @@ def _items_of(path: str) -> Iterator[Item]:
     order: list[Item] = []
     last_key: str | None = None
     with open_input(path) as source:
-        for line_number, line in enumerate(source, start=1):
-            parsed = parse_line(line)
+        sse, lines = sniff_lines(source)
+        for line_number, line in enumerate(lines, start=1):
+            parsed = parse_line(line, sse=sse)
             if parsed is None:
                 continue
             payload, problem = parsed
             if problem is not None:
                 raise InputError(f"{path}:{line_number}: not JSON ({problem.message})")
-            sse = line.lstrip().startswith(b"data:")
             for chunk in _stream_chunks(payload, sse):
                 # An error event has no id: it ends the stream it interrupts.
                 key = str(chunk.get("id", "")) if "error" not in chunk else last_key or f"error@{line_number}"
