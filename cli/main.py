@@ -4,11 +4,12 @@ It parses flags, opens inputs and outputs, shows progress and the summary on
 stderr, and exits with the status the core decides (`ExitStatus`): 0 all
 records fine, 1 some records got error records, 2 usage or configuration
 error (nothing processed), 3 the run could not finish (an input or output
-failed mid-run). vLLM is imported only once a command runs, never for
-``--help``.
+failed mid-run, a worker died), 128 + N stopped by signal N (Ctrl-C: 130).
+vLLM is imported only once a command runs, never for ``--help``.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -16,7 +17,6 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,6 +40,7 @@ from derender_core import (
     Job,
     JsonlWriter,
     Normalization,
+    OutcomeSource,
     Parity,
     RenderConfig,
     Report,
@@ -59,8 +60,12 @@ from derender_core import (
     requests_of,
     run,
 )
+from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
+from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
+from derender_core.resume import prepare_output, skip_answered
+from derender_core.workers import WorkerPool, usable_cpus
 
-from .progress import ProgressDisplay, print_summary
+from .progress import ProgressDisplay, Summary, print_summary
 from .report import print_table, write_report
 
 app = typer.Typer(
@@ -140,17 +145,22 @@ _RENDER_OPTIONS: dict[str, Any] = {
 }
 
 InputArg = Annotated[
-    str,
+    list[str],
     typer.Argument(
-        metavar="INPUT",
-        help="JSONL or SSE capture to read; - for stdin. Gzip is detected.",
+        metavar="INPUT...",
+        help="JSONL, SSE capture or .parquet to read; - for stdin. Gzip and zstd are detected. "
+        "Several inputs (shards) need -o DIR/: each gets DIR/<input name>.",
         show_default=False,
     ),
 ]
 OutputOpt = Annotated[
     str,
     typer.Option(
-        "--output", "-o", metavar="PATH", help="Where to write; - for stdout. A .gz path is gzipped."
+        "--output",
+        "-o",
+        metavar="PATH",
+        help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet path "
+        "gets Parquet rows; DIR/ gets one output per input, named after it.",
     ),
 ]
 RequestsOpt = Annotated[
@@ -162,7 +172,7 @@ RequestsOpt = Annotated[
         "prompt_token_ids, optional prompt_tokens and model), to join bare generate output by request_id.",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
 FlavorOpt = Annotated[
     Flavor,
     typer.Option(
@@ -206,17 +216,75 @@ VerboseOpt = Annotated[
         "or failure that hit a bug.",
     ),
 ]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        "-j",
+        min=1,
+        metavar="N",
+        help="Worker processes, forked after the model loads. 1 runs in this process. "
+        "Default: the CPU cores this process may use (1 with --flavor serve).",
+        show_default=False,
+    ),
+]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue the outputs an earlier, stopped run left: the records they hold are "
+        "skipped, the rest appended. JSONL (plain, .gz, .zst) and Parquet outputs.",
+    ),
+]
+RayOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="Run on a Ray cluster with Ray Data (pip install 'derender[ray]'); one engine per actor.",
+        rich_help_panel="Ray",
+    ),
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Cluster to join, as ray.init(address=...) takes it. Default: a local cluster.",
+        rich_help_panel="Ray",
+    ),
+]
+RayActorsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ray-actors",
+        min=1,
+        metavar="N",
+        help="Actors (engines) in the pool. Default: the cluster's CPUs less one, at least one.",
+        rich_help_panel="Ray",
+    ),
+]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunFlags:
-    """The flags every command shares about running the records."""
+    """How records are judged and reported: the flags every command shares."""
 
     quiet: bool = False
     lenient: bool = False
     fail_fast: bool = False
     errors: Path | None = None
     verbose: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How a command runs: where, on how many workers, resuming or not."""
+
+    workers: int | None = None
+    resume: bool = False
+    ray: bool = False
+    ray_address: str | None = None
+    ray_actors: int | None = None
 
 
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
@@ -241,6 +309,11 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)
             raise typer.Exit(exc.exit_status) from None
+        except KeyboardInterrupt:
+            # A second Ctrl-C: stop at once; whole lines are written whole.
+            console.print("derender: aborted", markup=False)
+            _discard_stdout()
+            raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly, as shell tools
             # do, and keep Python's exit-time flush from failing again.
@@ -287,91 +360,237 @@ def _discard_stdout() -> None:
 def _derender(
     config: RenderConfig,
     console: Console,
-    input_path: str,
+    input_paths: list[str],
     output: str,
     job_endpoint: Endpoint,
     requests_path: Path | None,
     flags: RunFlags,
+    scale: Scale,
     stream_format: OutputFormat | None = None,
     live: bool = False,
     flavor: Flavor = Flavor.derender,
 ) -> int:
-    """Open everything the run needs, cheapest checks first, then run it."""
+    """Open everything the run needs, cheapest checks first, then run it:
+    each input in turn, on one engine (and one pool of workers)."""
+    plan = _plan_outputs(input_paths, output, stream_format, scale.resume)
     errors_path = str(flags.errors) if flags.errors is not None else None
     if errors_path == "-":
         raise InputError("--errors needs a file path: stdout carries the output")
     refuse_overwriting(
-        {"INPUT": input_path, "--requests": None if requests_path is None else str(requests_path)},
-        {"-o": output, "--errors": errors_path},
-    )
-    directory = _sse_directory(output, stream_format)
-    with contextlib.ExitStack() as resources:
-        source = resources.enter_context(open_input(input_path))
-        requests = None
-        if requests_path is not None:
-            requests = RequestIndex(str(requests_path))
-            resources.callback(requests.close)
-        progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
-        progress.loading(config.model or "")
-        engine_class = ServeEngine if flavor is Flavor.serve else DerenderEngine
-        engine = engine_class.build(config, live=live)
-        resources.callback(engine.close)
-        job = Job(
-            endpoint=job_endpoint,
-            stream=stream_format is not None,
-            requests=requests,
-            lenient=flags.lenient,
-        )
-        writer = resources.enter_context(
-            _open_writer(output, directory, stream_format, job_endpoint, engine)
-        )
-        error_log = None
-        if errors_path is not None:
-            error_log = ErrorLog(resources.enter_context(open_output(errors_path)), input_path)
-        try:
-            report = run(
-                engine,
-                iter_records(source),
-                job,
-                writer,
-                on_progress=progress.update,
-                fail_fast=flags.fail_fast,
-                error_log=error_log,
-                verbose=flags.verbose,
-            )
-        except RunIncomplete as incomplete:
-            report = incomplete.report
-    _summarise(console, report, engine.startup_seconds, flags, output)
-    return report.return_code
+        {
+            **{f"INPUT {path}" if len(plan) > 1 else "INPUT": path for path, _, _ in plan},
+            "--requests": None if requests_path is None else str(requests_path),
+        },
+        {**{f"-o {out}" if len(plan) > 1 else "-o": out for _, out, _ in plan}, "--errors": errors_path},
+    )  # fmt: skip
+    for path in input_paths:
+        # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
+        if path != "-" and not os.path.exists(path):
+            raise InputError(f"cannot open input {path}: no such file")
+    engine_class = DerenderEngine
+    if flavor is Flavor.serve:
+        # The serve path drives a live AsyncLLM on its own event loop, which
+        # neither a fork nor a Ray actor's pickling carries over.
+        if scale.ray:
+            raise InputError("--flavor serve runs on this machine: drop --ray")
+        if scale.workers not in (None, 1):
+            raise InputError("--flavor serve runs in one process: drop --workers or use --workers 1")
+        scale = dataclasses.replace(scale, workers=1)
+        engine_class = ServeEngine
+    if scale.ray:
+        summary = _derender_on_ray(config, plan, job_endpoint, requests_path, flags, scale, stream_format, live)
+    else:
+        summary = _derender_here(
+            config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live, engine_class
+        )  # fmt: skip
+    _summarise(console, summary, flags)
+    return summary.return_code
 
 
-def _summarise(console: Console, report: Report, startup_seconds: float, flags: RunFlags, output: str) -> None:
+def _summarise(console: Console, summary: Summary, flags: RunFlags) -> None:
     """The summary, unless --quiet; a run that could not finish says so even then."""
     if not flags.quiet:
-        print_summary(console, report, startup_seconds, verbose=flags.verbose)
-    if report.unfinished is not None:
+        print_summary(console, summary, verbose=flags.verbose)
+    for path, report in summary.reports:
+        if report.unfinished is None:
+            continue
+        output = summary.outputs.get(path, "-")
         shown = "stdout" if output == "-" else output
         written = "" if report.written is None else f"; {report.written:,} written in full to {shown}"
+        where = f" ({path})" if len(summary.reports) > 1 else ""
         console.print(
-            f"derender: the run could not finish: {report.unfinished}. "
+            f"derender: the run could not finish{where}: {report.unfinished}. "
             f"{report.records:,} records were answered{written}.",
             markup=False,
         )
 
 
-def _sse_directory(output: str, stream_format: OutputFormat | None) -> Path | None:
-    """``-o DIR/`` (or an existing directory) asks for one file per request."""
-    if output == "-":
-        return None
+def _derender_here(
+    config: RenderConfig,
+    plan: list[tuple[str, str, Path | None]],
+    job_endpoint: Endpoint,
+    requests_path: Path | None,
+    flags: RunFlags,
+    console: Console,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+    engine_class: type[DerenderEngine] = DerenderEngine,
+) -> Summary:
+    """On this machine: one engine, forked into workers, for every input."""
+    summary = Summary()
+    with contextlib.ExitStack() as resources:
+        requests = None
+        if requests_path is not None:
+            requests = RequestIndex(str(requests_path))
+            resources.callback(requests.close)
+        error_log = None
+        if flags.errors is not None:
+            error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
+        progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
+        progress.loading(config.model or "")
+        engine = engine_class.build(config, live=live)
+        resources.callback(engine.close)
+        summary.startup["model"] = engine.startup_seconds
+        job = Job(
+            endpoint=job_endpoint,
+            stream=stream_format is not None,
+            requests=requests,
+            lenient=flags.lenient,
+            verbose=flags.verbose,
+        )
+        workers = scale.workers or usable_cpus()
+        outcomes = None
+        if workers > 1:
+            pool = resources.enter_context(WorkerPool(engine, workers, requests))
+            summary.startup[f"{workers} workers"] = pool.startup_seconds
+            whole = stream_format in (None, OutputFormat.jsonl)
+            outcomes = pool.answering(job, whole_stream_answers=whole)
+        stop = resources.enter_context(stop_on_signals(progress.stopping))
+        for input_path, output_path, directory in plan:
+            if error_log is not None:
+                error_log.input_name = input_path
+            report = _derender_one(
+                engine, job, input_path, output_path, directory, stream_format,
+                outcomes, stop, progress, scale.resume, flags, error_log,
+            )  # fmt: skip
+            summary.add(input_path, report, output_path)
+            if stop or report.unfinished is not None or report.stopped_at_failure:
+                break
+    return summary
+
+
+def _derender_on_ray(
+    config: RenderConfig,
+    plan: list[tuple[str, str, Path | None]],
+    endpoint: Endpoint,
+    requests_path: Path | None,
+    flags: RunFlags,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    live: bool,
+) -> Summary:
+    """``--ray``: the cluster reads and answers, this process writes."""
+    from derender_core.ray_data import import_ray, run_on_ray
+
+    import_ray()  # fails at start-up, with the install command, without Ray
+    if requests_path is not None:
+        raise InputError("--requests is not supported with --ray: put derender bodies in the input")
+    if scale.resume:
+        raise InputError("--resume is not supported with --ray: start afresh, or resume locally")
+    if "-" in (path for path, _, _ in plan):
+        raise InputError("--ray reads files the cluster can reach, not stdin")
+    job = Job(endpoint=endpoint, stream=stream_format is not None, lenient=flags.lenient, verbose=flags.verbose)
+    openers = [
+        (path, functools.partial(_open_writer, output, directory, stream_format, endpoint, DerenderEngine))
+        for path, output, directory in plan
+    ]
+    with contextlib.ExitStack() as resources:
+        error_log = None
+        if flags.errors is not None:
+            error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
+        reports, startup = run_on_ray(
+            config, job, openers, address=scale.ray_address, actors=scale.ray_actors,
+            whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live,
+            fail_fast=flags.fail_fast, error_log=error_log,
+        )  # fmt: skip
+    actors = sum(report.startup for _, report in reports)
+    outputs = {path: output for path, output, _ in plan}
+    return Summary(reports=reports, startup={"ray": startup, "actors": actors}, outputs=outputs)
+
+
+def _derender_one(
+    engine: DerenderEngine,
+    job: Job,
+    input_path: str,
+    output: str,
+    directory: Path | None,
+    stream_format: OutputFormat | None,
+    outcomes: OutcomeSource | None,
+    stop: StopRequest,
+    progress: ProgressDisplay,
+    resume: bool,
+    flags: RunFlags,
+    error_log: ErrorLog | None,
+) -> Report:
+    """Derender one input into one output."""
+    done = prepare_output(output) if resume else 0
+    with contextlib.ExitStack() as resources:
+        source = resources.enter_context(open_records(input_path, job))
+        writer = resources.enter_context(
+            _open_writer(output, directory, stream_format, job.endpoint, engine, append=done > 0)
+        )
+        records: Any = until_stopped(source.records, stop)
+        if done:
+            records = skip_answered(records, done, answers_in(output) if job.stream else None)
+        progress.start_input(input_path, source, done)
+        try:
+            report = run(
+                engine, records, job, writer,
+                on_progress=progress.update, outcomes=outcomes,
+                fail_fast=flags.fail_fast, error_log=error_log,
+            )  # fmt: skip
+        except RunIncomplete as incomplete:
+            report = incomplete.report
+    report.stopped_by = stop.signal
+    report.resumed = done
+    return report
+
+
+def _plan_outputs(
+    input_paths: list[str], output: str, stream_format: OutputFormat | None, resume: bool
+) -> list[tuple[str, str, Path | None]]:
+    """Each input with its output path, and the directory for per-request
+    SSE files (one input, ``--format sse``, ``-o DIR/``)."""
     try:
-        is_directory = output.endswith("/") or Path(output).is_dir()
+        is_directory = output != "-" and (output.endswith("/") or Path(output).is_dir())
     except OSError as exc:
         raise InputError(f"cannot use -o {output}: {exc.strerror or exc}") from None
+    if resume and output == "-":
+        raise InputError("--resume continues an output file: pass -o FILE or -o DIR/")
+    if resume and stream_format not in (None, OutputFormat.jsonl):
+        raise InputError(
+            "--resume continues JSONL or Parquet outputs, one record per line; "
+            f"--format {stream_format.value if stream_format else ''} output is written per request"
+        )
     if not is_directory:
-        return None
-    if stream_format is not OutputFormat.sse:
-        raise InputError(f"-o {output} is a directory; only --format sse writes one file per request")
-    return Path(output)
+        if len(input_paths) > 1:
+            raise InputError(
+                f"{len(input_paths)} inputs need an output directory (-o DIR/), one output per input"
+            )
+        if is_parquet(output) and stream_format not in (None, OutputFormat.jsonl):
+            raise InputError("a .parquet output holds one row per record: use --format jsonl")
+        return [(input_paths[0], output, None)]
+    if len(input_paths) == 1 and stream_format is OutputFormat.sse:
+        if resume:
+            raise InputError("--resume continues JSONL or Parquet outputs, not per-request SSE files")
+        return [(input_paths[0], output, Path(output))]
+    if "-" in input_paths:
+        raise InputError("-o DIR/ names each output after its input, and stdin has no name")
+    names = [output_name(path, stream_format.value if stream_format else None) for path in input_paths]
+    if len(set(names)) < len(names):
+        raise InputError("two inputs would write the same output name in " + output)
+    return [(path, str(Path(output) / name), None) for path, name in zip(input_paths, names, strict=True)]
 
 
 @contextlib.contextmanager
@@ -381,6 +600,7 @@ def _open_writer(
     stream_format: OutputFormat | None,
     endpoint: Endpoint,
     engine: Any,
+    append: bool = False,
 ) -> Iterator[Writer]:
     """The writer for the output format, over the opened output."""
     if directory is not None:
@@ -390,7 +610,10 @@ def _open_writer(
             raise InputError(f"cannot write to {directory}/: {exc.strerror or exc}") from None
         yield SseWriter(directory=directory)
         return
-    with open_output(output) as target:
+    if is_parquet(output):
+        yield ParquetWriter(output, resume=append)
+        return
+    with open_output(output, append=append) as target:
         if stream_format is OutputFormat.sse:
             yield SseWriter(target=target)
         elif stream_format is OutputFormat.assembled:
@@ -413,13 +636,19 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         errors: ErrorsOpt = None,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
+        workers: WorkersOpt = None,
+        resume: ResumeOpt = False,
+        ray: RayOpt = False,
+        ray_address: RayAddressOpt = None,
+        ray_actors: RayActorsOpt = None,
         *,
         config: RenderConfig,
         console: Console,
     ) -> int:
         flags = RunFlags(quiet, lenient, fail_fast, errors, verbose)
+        scale = Scale(workers, resume, ray, ray_address, ray_actors)
         return _derender(
-            config, console, input_path, output, endpoint, requests, flags, flavor=flavor
+            config, console, input_path, output, endpoint, requests, flags, scale, flavor=flavor
         )
 
     command.__doc__ = doc
@@ -460,7 +689,9 @@ def stream(
             "--output",
             "-o",
             metavar="PATH",
-            help="Where to write; - for stdout; DIR/ for one .sse file per request.",
+            help="Where to write; - for stdout. A .gz or .zst path is compressed, a .parquet "
+            "path gets Parquet rows (--format jsonl). DIR/: with one input and --format sse, "
+            "one .sse file per request; otherwise one output per input, named after it.",
         ),
     ] = "-",
     output_format: Annotated[
@@ -493,6 +724,11 @@ def stream(
     errors: ErrorsOpt = None,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
+    workers: WorkersOpt = None,
+    resume: ResumeOpt = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_actors: RayActorsOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -513,6 +749,7 @@ def stream(
         endpoint,
         requests,
         RunFlags(quiet, lenient, fail_fast, errors, verbose),
+        Scale(workers, resume, ray, ray_address, ray_actors),
         stream_format=output_format,
         live=mode is StreamMode.live,
         flavor=flavor,

@@ -1,34 +1,57 @@
 """Progress and summary on stderr. The live display shows only on a TTY."""
 
+from __future__ import annotations
+
+import signal
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from derender_core import Report
+from derender_core.datasets import Input
 
 FAILURES_SHOWN = 5
 _REFRESH_SECONDS = 0.2
 
 
 class ProgressDisplay:
-    """A spinner while the model loads, then a running count of records."""
+    """A spinner while the model loads, then per input a bar over the bytes
+    read (when the input's size is known) with records, tokens per second,
+    errors so far and an ETA."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
+        self._console = console
+        self._enabled = enabled
         self._progress: Progress | None = None
         if enabled and console.is_terminal:
             self._progress = Progress(
                 SpinnerColumn(),
                 TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[figures]}"),
                 TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
                 console=console,
                 transient=True,
             )
-        self._task = None
+        self._task: TaskID | None = None
+        self._source: Input | None = None
         self._last_refresh = 0.0
 
-    def __enter__(self) -> "ProgressDisplay":
+    def __enter__(self) -> ProgressDisplay:
         if self._progress is not None:
             self._progress.start()
         return self
@@ -44,7 +67,18 @@ class ProgressDisplay:
 
     def loading(self, model: str) -> None:
         if self._progress is not None:
-            self._task = self._progress.add_task(f"loading {model}")
+            self._task = self._progress.add_task(f"loading {model}", total=None, figures="")
+
+    def start_input(self, path: str, source: Input, resumed: int) -> None:
+        """A new input begins: the bar follows its bytes read."""
+        self._source = source
+        if self._progress is None:
+            return
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        name = Path(path).name if path != "-" else "stdin"
+        figures = f"resuming after {resumed:,} records" if resumed else ""
+        self._task = self._progress.add_task(name, total=source.size, figures=figures)
 
     def update(self, report: Report) -> None:
         """Called after every record; redraws a few times a second at most."""
@@ -54,58 +88,136 @@ class ProgressDisplay:
         if now - self._last_refresh < _REFRESH_SECONDS:
             return
         self._last_refresh = now
+        tokens_per_second = report.tokens / report.elapsed if report.elapsed > 0 else 0.0
+        position = self._source.bytes_read() if self._source is not None else None
         self._progress.update(
             self._task,
-            description=(
-                f"{report.records} records, {report.errors} errors, "
-                f"{report.records_per_second:,.1f} records/s"
+            completed=position,
+            figures=(
+                f"{report.records:,} records  {tokens_per_second:,.0f} tokens/s  "
+                f"{report.errors:,} errors"
             ),
         )
 
-
-def print_summary(console: Console, report: Report, startup_seconds: float, *, verbose: bool = False) -> None:
-    """One line of figures, then the first failed records, vLLM's log
-    messages per kind, and how the run ended if it ended early."""
-    console.print(
-        f"derender: {report.records} records, {report.errors} errors in "
-        f"{report.elapsed:.2f} s ({report.records_per_second:,.1f} records/s); "
-        f"model loaded in {startup_seconds:.1f} s",
-        markup=False,
-    )
-    for failure in report.failures[:FAILURES_SHOWN]:
-        detail = f" ({failure.detail})" if failure.detail else ""
-        bug = ""
-        if failure.traceback is not None:
-            bug = " [a bug, not bad input" + ("" if verbose else "; --verbose shows the traceback") + "]"
-        console.print(
-            f"  record {failure.record} (line {failure.line}): {failure.status} "
-            f"{_first_line(failure.message)}{detail}{bug}",
-            markup=False,
-        )
-        if verbose and failure.traceback is not None:
-            console.print(failure.traceback.rstrip(), markup=False)
-    hidden = report.errors - min(len(report.failures), FAILURES_SHOWN)
-    if hidden > 0:
-        console.print(f"  ... and {hidden} more errors", markup=False)
-    if report.logs:
-        total = sum(kind.count for kind in report.logs)
-        console.print(
-            f"derender: vLLM logged {total:,} message{'s' if total != 1 else ''} while derendering"
-            + ("" if verbose else " (full text with --verbose)")
-            + ":",
-            markup=False,
-        )
-        for kind in sorted(report.logs, key=lambda kind: -kind.count):
-            console.print(
-                f"  {kind.count:,} x {kind.level} {kind.logger}: {kind.example} "
-                f"(first at record {kind.first_record})",
+    def stopping(self, signum: int) -> None:
+        """The first Ctrl-C or SIGTERM: say what happens next."""
+        if self._enabled:
+            self._console.print(
+                f"derender: {signal.Signals(signum).name}: finishing the records under way "
+                "and closing the outputs (again to abort)",
                 markup=False,
             )
-    if report.stopped_at_failure and report.failures:
-        first = report.failures[0]
+
+
+@dataclass
+class Summary:
+    """Every input's report, and what start-up cost, apart from processing."""
+
+    reports: list[tuple[str, Report]] = field(default_factory=list)
+    startup: dict[str, float] = field(default_factory=dict)
+    """Seconds per start-up step: the model, the workers, a Ray cluster."""
+    outputs: dict[str, str] = field(default_factory=dict)
+    """Where each input's answers went (``-`` for stdout)."""
+
+    def add(self, input_path: str, report: Report, output: str) -> None:
+        self.reports.append((input_path, report))
+        self.outputs[input_path] = output
+
+    @property
+    def total(self) -> Report:
+        total = Report()
+        for _, report in self.reports:
+            total.records += report.records
+            total.errors += report.errors
+            total.internal_errors += report.internal_errors
+            total.elapsed += report.elapsed
+            total.tokens += report.tokens
+            total.resumed += report.resumed
+            total.stopped_by = total.stopped_by or report.stopped_by
+            total.unfinished = total.unfinished or report.unfinished
+            total.stopped_at_failure = total.stopped_at_failure or report.stopped_at_failure
+        return total
+
+    @property
+    def return_code(self) -> int:
+        return self.total.return_code
+
+
+def print_summary(console: Console, summary: Summary, *, verbose: bool = False) -> None:
+    """One screen: totals with start-up apart, where a stopped run stopped,
+    the first failed records, vLLM's log messages per kind, and how the run
+    ended if it ended early."""
+    total = summary.total
+    tokens_per_second = total.tokens / total.elapsed if total.elapsed > 0 else 0.0
+    inputs = f" from {len(summary.reports)} inputs" if len(summary.reports) > 1 else ""
+    startup = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in summary.startup.items())
+    console.print(
+        f"derender: {total.records} records{inputs}, {total.errors} errors in "
+        f"{total.elapsed:.2f} s ({total.records_per_second:,.1f} records/s, "
+        f"{tokens_per_second:,.0f} tokens/s); start-up: {startup or 'none'}",
+        markup=False,
+    )
+    if total.resumed:
+        console.print(f"  resumed: {total.resumed} records were already in the outputs", markup=False)
+    for path, report in summary.reports:
+        if report.stopped_by is not None:
+            console.print(
+                f"  stopped by {signal.Signals(report.stopped_by).name} after record "
+                f"{report.resumed + report.records} (input line {report.last_line}) of {path}; "
+                "the output holds every record up to it: continue with --resume",
+                markup=False,
+            )
+    shown = 0
+    for path, report in summary.reports:
+        where = f"{path}: " if len(summary.reports) > 1 else ""
+        for failure in report.failures[: FAILURES_SHOWN - shown]:
+            detail = f" ({failure.detail})" if failure.detail else ""
+            bug = ""
+            if failure.traceback is not None:
+                bug = " [a bug, not bad input" + ("" if verbose else "; --verbose shows the traceback") + "]"
+            console.print(
+                f"  {where}record {failure.record} (line {failure.line}): {failure.status} "
+                f"{_first_line(failure.message)}{detail}{bug}",
+                markup=False,
+            )
+            if verbose and failure.traceback is not None:
+                console.print(failure.traceback.rstrip(), markup=False)
+            shown += 1
+    hidden = total.errors - shown
+    if hidden > 0:
+        console.print(f"  ... and {hidden} more errors", markup=False)
+    _print_logs(console, summary, verbose)
+    for path, report in summary.reports:
+        if report.stopped_at_failure and report.failures:
+            first = report.failures[0]
+            where = f" of {path}" if len(summary.reports) > 1 else ""
+            console.print(
+                f"derender: stopped at the first failed record, record {first.record} "
+                f"(line {first.line}){where}, as --fail-fast asks",
+                markup=False,
+            )
+
+
+def _print_logs(console: Console, summary: Summary, verbose: bool) -> None:
+    """vLLM's log messages, counted per kind over all inputs."""
+    kinds = [kind for _, report in summary.reports for kind in report.logs]
+    if not kinds:
+        return
+    count = sum(kind.count for kind in kinds)
+    console.print(
+        f"derender: vLLM logged {count:,} message{'s' if count != 1 else ''} while derendering"
+        + ("" if verbose else " (full text with --verbose)")
+        + ":",
+        markup=False,
+    )
+    where = len(summary.reports) > 1
+    for (path, _report), kind in sorted(
+        ((entry, kind) for entry in summary.reports for kind in entry[1].logs),
+        key=lambda item: -item[1].count,
+    ):
         console.print(
-            f"derender: stopped at the first failed record, record {first.record} "
-            f"(line {first.line}), as --fail-fast asks",
+            f"  {kind.count:,} x {kind.level} {kind.logger}: {kind.example} "
+            f"(first at record {kind.first_record}{f' of {path}' if where else ''})",
             markup=False,
         )
 

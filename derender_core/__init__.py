@@ -4,7 +4,7 @@ Importing this package does not import vLLM; `DerenderEngine.build` and
 `ServeEngine.build` do.
 """
 
-from .batch import Failure, Job, Outcome, RecordProcessor, Report, run
+from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
 from .checks import check_body
 from .compare import Divergence, Normalization, Observed, compare
 from .config import RenderConfig
@@ -59,6 +59,7 @@ __all__ = [
     "Normalization",
     "Observed",
     "Outcome",
+    "OutcomeSource",
     "OutputFile",
     "PATHS",
     "Parity",
@@ -68,6 +69,7 @@ __all__ = [
     "RenderConfig",
     "Report",
     "RequestIndex",
+    "Restored",
     "RunIncomplete",
     "ServeEngine",
     "SseWriter",

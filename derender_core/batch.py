@@ -10,15 +10,16 @@ writing what was answered.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import check_body
 from .errors import ExitStatus, RecordError, RunIncomplete, StreamFailure
-from .logs import LogKind, tally_vllm_logs
+from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .protocol import Answer, Derenderer, Endpoint
 from .records import Record, RequestIndex, derender_body
 from .streams import ChunkFacts, StreamLedger
@@ -62,11 +63,24 @@ class Report:
     """Why the run could not finish: an input or output that failed."""
     written: int | None = None
     """Output records the output holds in full, when known (set at the end)."""
+    tokens: int = 0
+    """Generated token ids derendered (prompt ids not counted)."""
+    last_line: int = 0
+    """Input line of the last record answered, to say where a run stopped."""
+    stopped_by: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped the run before its input ended."""
+    resumed: int = 0
+    """Records an earlier run had answered, skipped by ``--resume``."""
+    startup: float = 0.0
+    """Seconds before the first answer spent starting up elsewhere (Ray
+    actors building their engines), left out of `elapsed`."""
 
     @property
     def return_code(self) -> int:
         if self.unfinished is not None:
             return ExitStatus.INCOMPLETE
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by  # as the shell reports a signal
         return ExitStatus.RECORDS_FAILED if self.errors else ExitStatus.OK
 
     @property
@@ -74,8 +88,11 @@ class Report:
         return self.records / self.elapsed if self.elapsed > 0 else 0.0
 
     def count(self, record: Record, outcome: Outcome) -> None:
-        self.records += 1
         answer = outcome.answer
+        self.records += 1
+        self.tokens += outcome.tokens
+        self.last_line = record.line
+        count_logs(self.logs, outcome.logs, record.number)
         if answer.ok:
             return
         self.errors += 1
@@ -105,6 +122,8 @@ class Job:
     lenient: bool = False
     """Skip the checks: every record is answered as the render server
     answers it, out-of-vocabulary ids and all."""
+    verbose: bool = False
+    """vLLM's log messages also go, in full, to its own handlers."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +134,29 @@ class Outcome:
     answer: Answer
     facts: ChunkFacts | None = None
     completed: bool = False
+    tokens: int = 0
+    """Generated token ids in the record, for throughput figures."""
     detail: str | None = None
     """Why the server's parser gave up on the line, when it says only that."""
     traceback: str | None = None
     """The traceback of a bug this record hit."""
+    logs: tuple[LogLine, ...] = ()
+    """What vLLM logged while the record was derendered."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A record an earlier run answered (``--resume``): not sent again, but
+    its answer's stream state is threaded as if it had just been given."""
+
+    record: Record
+    answer: Answer
+
+
+OutcomeSource = Callable[[Iterable["Record | Restored"]], Iterator[tuple[Record, Outcome]]]
+"""Turns records into (record, outcome) pairs in input order: in process
+(`RecordProcessor.outcomes`), or spread over worker processes
+(`workers.WorkerPool`)."""
 
 
 class RecordProcessor:
@@ -138,10 +176,12 @@ class RecordProcessor:
         """The outcome of one record; never raises for a record, whatever
         it holds. A bug gets the server's catch-all answer (a 500) and
         keeps its traceback for ``--verbose``."""
-        try:
-            return self._process(record)
-        except Exception as exc:
-            return Outcome(self.engine.internal_error(exc), traceback=traceback.format_exc())
+        with collected_vllm_logs(verbose=self.job.verbose) as logged:
+            try:
+                outcome = self._process(record)
+            except Exception as exc:
+                outcome = Outcome(self.engine.internal_error(exc), traceback=traceback.format_exc())
+        return dataclasses.replace(outcome, logs=tuple(logged)) if logged else outcome
 
     def _process(self, record: Record) -> Outcome:
         engine, job = self.engine, self.job
@@ -157,11 +197,12 @@ class RecordProcessor:
             problem_found = check_body(body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size)
             if problem_found is not None:
                 return self._refused(body, engine.bad_request(problem_found))
+        tokens = generated_tokens(body)
         if not job.stream:
-            return Outcome(engine.post(job.endpoint, body))
+            return Outcome(engine.post(job.endpoint, body), tokens=tokens)
         facts = ChunkFacts.of(body, job.endpoint)
         answer = engine.post(job.endpoint, self.ledger.with_state(body, facts))
-        return Outcome(answer, facts, self.ledger.settle(facts, answer))
+        return Outcome(answer, facts, self.ledger.settle(facts, answer), tokens)
 
     def _refused(self, body: Any, answer: Answer) -> Outcome:
         """A call our checks refused: never sent, so no stream state moves,
@@ -172,23 +213,74 @@ class RecordProcessor:
         facts = ChunkFacts.of(body, self.job.endpoint)
         return Outcome(answer, facts, self.ledger.settle(facts, answer))
 
+    def restore(self, record: Record, answer: Answer) -> None:
+        """Take `answer`, given to `record` by an earlier run, as `process`
+        would have taken it: a streamed call's state is threaded onward."""
+        if not self.job.stream or record.problem is not None:
+            return
+        try:
+            body = derender_body(record.payload, self.job.endpoint, stream=True, requests=self.job.requests)
+        except RecordError:
+            return
+        self.ledger.settle(ChunkFacts.of(body, self.job.endpoint), answer)
+
+    def outcomes(self, items: Iterable[Record | Restored]) -> Iterator[tuple[Record, Outcome]]:
+        """The in-process `OutcomeSource`: each record's outcome, in order."""
+        for item in items:
+            if isinstance(item, Restored):
+                self.restore(item.record, item.answer)
+            else:
+                yield item, self.process(item)
+
+
+def stream_key(record: Record, job: Job) -> str | None:
+    """The stream a record's call belongs to, as the ledger keys it: all
+    records with one key must go to one `RecordProcessor`, in input order.
+    Read from the record alone (a bare chunk carries its own request_id),
+    so work can be routed without joining ``--requests``."""
+    if not job.stream or record.problem is not None:
+        return None
+    try:
+        body = derender_body(record.payload, job.endpoint, stream=True, requests=None)
+    except RecordError:
+        body = {"generate_chunk": record.payload}  # a bare chunk, joined later by its request_id
+    return ChunkFacts.of(body, job.endpoint).request_id
+
+
+def generated_tokens(body: Any) -> int:
+    """The generated token ids a derender body carries, in all its choices."""
+    if not isinstance(body, Mapping):
+        return 0
+    responses = body.get("generate_responses")
+    if not isinstance(responses, list):
+        responses = [body.get("generate_response") or body.get("generate_chunk")]
+    total = 0
+    for response in responses:
+        choices = response.get("choices") if isinstance(response, Mapping) else None
+        for choice in choices if isinstance(choices, list) else ():
+            token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
+            total += len(token_ids) if isinstance(token_ids, list) else 0
+    return total
+
 
 def run(
     engine: Derenderer,
-    records: Iterable[Record],
+    records: Iterable[Record | Restored],
     job: Job,
     writer: Writer,
     on_progress: Callable[[Report], None] | None = None,
     *,
     fail_fast: bool = False,
     error_log: ErrorLog | None = None,
-    verbose: bool = False,
+    outcomes: OutcomeSource | None = None,
 ) -> Report:
     """Derender every record and hand each answer to `writer`, in order.
 
     `fail_fast` stops after the first failed record; `error_log` gets every
     failed record with its line. vLLM's log records are counted per kind in
-    the report; with `verbose` they also reach vLLM's handlers in full.
+    the report; with `job.verbose` they also reach vLLM's handlers in full.
+    `outcomes` answers the records elsewhere (worker processes); by default
+    a `RecordProcessor` answers them in this process.
 
     Raises:
         RunIncomplete: when the input or an output failed mid-run. The
@@ -197,17 +289,18 @@ def run(
 
     """
     report = Report()
-    processor = RecordProcessor(engine, job)
+    answer_all = outcomes or RecordProcessor(engine, job).outcomes
     started = time.perf_counter()
-    with tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=verbose):
+    with tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=job.verbose):
         try:
-            for record in records:
-                outcome = processor.process(record)
+            for record, outcome in answer_all(records):
+                # Counted before it is written: a record the output refused
+                # was still answered.
+                report.count(record, outcome)
                 writer.add(outcome.answer, outcome.facts)
                 if outcome.completed:
                     assert outcome.facts is not None
                     writer.complete(outcome.facts.request_id)
-                report.count(record, outcome)
                 if error_log is not None and not outcome.answer.ok:
                     error_log.add(record, outcome.answer, outcome.detail)
                 report.elapsed = time.perf_counter() - started

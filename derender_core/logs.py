@@ -2,20 +2,33 @@
 
 vLLM's parsers log a full traceback for ordinary model output (hermes on a
 tool call cut at ``length``, which real datasets are full of), so a run can
-print thousands of them. While a run derenders, the records of the
-``vllm`` logger are counted per kind (logger, level, message, exception
-type) with one example line and the record that first caused it; with
-`verbose` they also go on, in full, to the handlers vLLM set up.
+print thousands of them. While a record is derendered, the records of the
+``vllm`` logger are collected as `LogLine`s and travel with its outcome
+(from a worker process too); the run's report counts them per kind (logger,
+level, message, exception type) with one example line and the record that
+first caused it. With `verbose` they also go on, in full, to the handlers
+vLLM set up, in the process that logged them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 VLLM_LOGGER = "vllm"
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One log record, reduced to what the summary shows of it."""
+
+    key: tuple[str, int, str, str]
+    """Logger, level, message template and exception type: its kind."""
+    level: str
+    logger: str
+    example: str
 
 
 @dataclass
@@ -28,34 +41,37 @@ class LogKind:
     first_record: int
     """The input record being derendered when the first one was logged."""
     count: int = 0
+    key: tuple[str, int, str, str] = ("", 0, "", "")
 
 
-class _Tally(logging.Handler):
-    def __init__(
-        self,
-        kinds: list[LogKind],
-        current_record: Callable[[], int],
-        passthrough: list[logging.Handler],
-    ) -> None:
+def count_logs(kinds: list[LogKind], lines: Iterable[LogLine], record_number: int) -> None:
+    """Add `lines`, logged while record `record_number` was derendered, to
+    the kinds counted so far."""
+    for line in lines:
+        kind = next((kind for kind in kinds if kind.key == line.key), None)
+        if kind is None:
+            kind = LogKind(line.level, line.logger, line.example, record_number, key=line.key)
+            kinds.append(kind)
+        kind.count += 1
+
+
+class _Collector(logging.Handler):
+    def __init__(self, sink: Callable[[LogLine], None], passthrough: list[logging.Handler]) -> None:
         super().__init__()
-        self._kinds = kinds
-        self._by_key: dict[tuple[str, int, str, str], LogKind] = {}
-        self._current_record = current_record
+        self._sink = sink
         self._passthrough = passthrough
 
     def emit(self, record: logging.LogRecord) -> None:
-        error = record.exc_info[1] if record.exc_info else None
-        key = (record.name, record.levelno, str(record.msg), type(error).__name__ if error else "")
-        kind = self._by_key.get(key)
-        if kind is None:
-            kind = self._by_key[key] = LogKind(
-                record.levelname, record.name, _one_line(record, error), self._current_record()
-            )
-            self._kinds.append(kind)
-        kind.count += 1
+        self._sink(_log_line(record))
         for handler in self._passthrough:
             if record.levelno >= handler.level:
                 handler.handle(record)
+
+
+def _log_line(record: logging.LogRecord) -> LogLine:
+    error = record.exc_info[1] if record.exc_info else None
+    key = (record.name, record.levelno, str(record.msg), type(error).__name__ if error else "")
+    return LogLine(key, record.levelname, record.name, _one_line(record, error))
 
 
 def _one_line(record: logging.LogRecord, error: BaseException | None) -> str:
@@ -71,16 +87,31 @@ def _one_line(record: logging.LogRecord, error: BaseException | None) -> str:
 
 
 @contextlib.contextmanager
-def tally_vllm_logs(
-    kinds: list[LogKind], current_record: Callable[[], int], *, verbose: bool
-) -> Iterator[None]:
-    """Count vLLM's log records into `kinds` while the block runs; with
-    `verbose`, pass them on in full as well."""
+def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
+    """vLLM's log records go to `sink` while the block runs (and, with
+    `verbose`, on to vLLM's own handlers in full)."""
     logger = logging.getLogger(VLLM_LOGGER)
     original = logger.handlers[:]
-    tally = _Tally(kinds, current_record, original if verbose else [])
-    logger.handlers = [tally]
+    logger.handlers = [_Collector(sink, original if verbose else [])]
     try:
         yield
     finally:
         logger.handlers = original
+
+
+@contextlib.contextmanager
+def collected_vllm_logs(*, verbose: bool) -> Iterator[list[LogLine]]:
+    """The vLLM log records of the block, as lines."""
+    lines: list[LogLine] = []
+    with _routed(lines.append, verbose):
+        yield lines
+
+
+@contextlib.contextmanager
+def tally_vllm_logs(
+    kinds: list[LogKind], current_record: Callable[[], int], *, verbose: bool
+) -> Iterator[None]:
+    """Count into `kinds` the vLLM log records of a whole run that no
+    record's own collection took (those of writing the output, say)."""
+    with _routed(lambda line: count_logs(kinds, [line], current_record()), verbose):
+        yield

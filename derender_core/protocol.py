@@ -257,3 +257,7 @@ class Derenderer(Protocol):
 
     def close(self) -> None:
         """Release what the path holds."""
+
+    def after_fork(self) -> None:
+        """Make the path usable in a process forked from the one that built
+        it (and closed it just before forking): threads do not survive a fork."""

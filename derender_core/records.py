@@ -44,6 +44,7 @@ from .errors import InputError, RecordError, StreamFailure
 from .protocol import Endpoint
 
 GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _SSE_FRAMING = (b"event:", b"id:", b"retry:", b":")
 """SSE lines that are never records: fields other than data, and comments."""
 # Digits to "0", so a run of 19 digits is a plain substring search (15x
@@ -121,8 +122,10 @@ def _sniffed(buffered: io.BufferedReader, size: int) -> tuple[bytes, io.Buffered
 
 @contextlib.contextmanager
 def open_input(path: str) -> Iterator[BinaryIO]:
-    """Open a path, or stdin for ``-``; gzip is detected by its magic bytes,
-    so ``.gz`` files and gzipped stdin read transparently."""
+    """Open a path, or stdin for ``-``; gzip and zstd are detected by their
+    magic bytes, so ``.gz`` and ``.zst`` files and compressed stdin read
+    transparently. ``fileno()`` of what it yields is the file read, so the
+    bytes read so far are its OS position."""
     if path == "-":
         raw: BinaryIO = sys.stdin.buffer
         owned = False
@@ -135,17 +138,40 @@ def open_input(path: str) -> Iterator[BinaryIO]:
     buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)  # type: ignore[arg-type]
     try:
         try:
-            head, source = _sniffed(buffered, len(GZIP_MAGIC))
+            head, source = _sniffed(buffered, len(ZSTD_MAGIC))
         except OSError as exc:
             raise InputError(f"cannot read input {path}: {exc.strerror or exc}") from None
-        if head == GZIP_MAGIC:
+        if head[: len(GZIP_MAGIC)] == GZIP_MAGIC:
             with gzip.GzipFile(fileobj=source) as unzipped:
                 yield unzipped  # type: ignore[misc]
+        elif head == ZSTD_MAGIC:
+            with io.BufferedReader(_ZstdReader(source)) as unzstd:
+                yield unzstd  # type: ignore[misc]
         else:
             yield source
     finally:
         if owned:
             buffered.close()
+
+
+class _ZstdReader(io.RawIOBase):
+    """A zstd stream (all its frames) as a raw file, so it reads by lines
+    and still reports the file descriptor it reads from."""
+
+    def __init__(self, compressed: BinaryIO) -> None:
+        import zstandard
+
+        self._compressed = compressed
+        self._reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._reader.readinto(buffer)  # type: ignore[no-any-return]
+
+    def fileno(self) -> int:
+        return self._compressed.fileno()
 
 
 def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
@@ -356,10 +382,24 @@ class RequestIndex:
         offset = self._offsets.get(request_id)
         if offset is None:
             return None
-        self._file.seek(offset)
-        payload = parse_line(next(iter_lines(self._file)))
+        payload = parse_line(self._line_at(offset))
         assert payload is not None and payload[1] is None  # checked by _index
         return payload[0]  # type: ignore[no-any-return]
+
+
+    def _line_at(self, offset: int) -> bytes:
+        """The line at `offset` (ended by LF, CRLF or a lone CR, as
+        `iter_lines` reads them), read without moving the file's shared
+        offset, so worker processes forked with the index never race."""
+        descriptor, pieces = self._file.fileno(), []
+        while True:
+            piece = os.pread(descriptor, 65536, offset)
+            ends = [end for end in (piece.find(b"\n"), piece.find(b"\r")) if end >= 0]
+            if ends or not piece:
+                pieces.append(piece[: min(ends) + 1] if ends else piece)
+                return b"".join(pieces)
+            pieces.append(piece)
+            offset += len(piece)
 
 
 _BODY_KEYS = ("generate_response", "generate_responses", "generate_chunk")
@@ -404,6 +444,27 @@ def derender_body(
     request = requests.lookup(request_id) if isinstance(request_id, str) else None
     if request is None:
         raise RecordError(f"no request with request_id {request_id!r} in {requests.path}")
+    return joined_body(payload, request, endpoint, stream=stream, origin=requests.path)
+
+
+def joined_body(
+    payload: Mapping[str, Any],
+    request: Mapping[str, Any],
+    endpoint: Endpoint,
+    *,
+    stream: bool,
+    origin: str,
+) -> dict[str, Any]:
+    """A bare generate response or stream chunk joined with its original
+    request (a ``--requests`` line, or a columnar row's request), into the
+    derender body the render step would send.
+
+    Raises:
+        RecordError: when the request has no request for `endpoint`;
+            `origin` names where it came from.
+
+    """
+    request_id = payload.get("request_id")
     original = request.get(endpoint.request_key)
     if original is None:
         other = Endpoint.COMPLETION if endpoint is Endpoint.CHAT else Endpoint.CHAT
@@ -412,9 +473,7 @@ def derender_body(
             if request.get(other.request_key) is not None
             else ""
         )
-        raise RecordError(
-            f"request {request_id!r} in {requests.path} has no {endpoint.request_key}{hint}"
-        )
+        raise RecordError(f"request {request_id!r} in {origin} has no {endpoint.request_key}{hint}")
     prompt_token_ids = request.get("prompt_token_ids")
     prompt_tokens = request.get("prompt_tokens")
     if prompt_tokens is None and isinstance(prompt_token_ids, list):
@@ -528,16 +587,18 @@ class OutputFile:
 
 
 @contextlib.contextmanager
-def open_output(path: str) -> Iterator[OutputFile]:
-    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped.
+def open_output(path: str, *, append: bool = False) -> Iterator[OutputFile]:
+    """Open an output path, or stdout for ``-``; ``.gz`` paths are gzipped,
+    ``.zst`` paths zstd-compressed. `append` adds to the file (a new gzip
+    member or zstd frame, which readers join).
 
     What was written is flushed on the way out, also when an exception
     ends the run, so records already answered are not lost.
 
     Raises:
         InputError: when the path cannot be opened for writing.
-        StreamFailure: when the last records or the gzip trailer cannot
-            be written.
+        StreamFailure: when the last records or the compression trailer
+            cannot be written.
 
     """
     if path == "-":
@@ -545,11 +606,18 @@ def open_output(path: str) -> Iterator[OutputFile]:
         with _flushed(output):
             yield output
         return
+    mode = "ab" if append else "wb"
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        target: BinaryIO = (
-            gzip.open(path, "wb") if path.endswith(".gz") else open(path, "wb")  # type: ignore[assignment]
-        )
+        target: BinaryIO
+        if path.endswith(".gz"):
+            target = gzip.open(path, mode)  # type: ignore[assignment]
+        elif path.endswith(".zst"):
+            import zstandard
+
+            target = zstandard.open(path, mode)  # type: ignore[assignment]
+        else:
+            target = open(path, mode)  # noqa: SIM115 - closed below
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     output = OutputFile(target, path)

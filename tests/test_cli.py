@@ -194,7 +194,9 @@ def test_assembled_completion_stream(cli: CliRunner, tmp_path: Path) -> None:
         (["chat", "sample_data/chat.jsonl"], "no model given"),
         (["chat", "sample_data/chat.jsonl", "--config", "sample_data/missing.yaml"], "config file not found"),
         (["chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--requests", "absent.jsonl"], "cannot open input absent.jsonl"),
-        (["stream", "sample_data/stream.jsonl", "-o", "outdir/", *SAMPLE_FLAGS], "only --format sse writes one file per request"),
+        (["chat", "sample_data/chat.jsonl", "sample_data/chat_errors.jsonl", *SAMPLE_FLAGS], "2 inputs need an output directory"),
+        (["stream", "sample_data/stream.jsonl", "--format", "sse", "-o", "x.sse", "--resume", *SAMPLE_FLAGS], "--resume continues JSONL or Parquet outputs"),
+        (["chat", "sample_data/chat.jsonl", "--resume", *SAMPLE_FLAGS], "--resume continues an output file"),
         (["chat", "sample_data/chat.jsonl", *SAMPLE_FLAGS, "--default-chat-template-kwargs", "{nope"], "not valid JSON"),
     ],
 )

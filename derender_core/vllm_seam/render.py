@@ -17,6 +17,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Generator, Mapping
+from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +61,16 @@ class DerenderEngine:
         )
 
         self._serving = serving
+        # The server hands the CPU-bound derender calls to the renderer's
+        # thread pool to keep its event loop free for other requests. Here
+        # calls come one at a time, so the hop to a thread and back (two
+        # context switches and a self-pipe wake-up per call, far worse on a
+        # busy machine) buys nothing: the same functions run inline. With no
+        # pool threads a fork needs no repair either.
+        executor = serving.online_derenderer.renderer._executor
+        if not hasattr(executor, "_inner"):  # vLLM's _SwappableExecutor
+            raise ConfigError(f"vLLM's renderer executor changed shape: {type(executor).__name__}")
+        executor._inner = _InlineExecutor()
         self.startup_seconds = startup_seconds
         self.live = live
         self.vocab_size = _vocab_size(self.tokenizer)
@@ -262,14 +273,16 @@ class DerenderEngine:
 
         return _json_answer(create_error_response(message).model_dump(), 400)
 
-    def chat_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def chat_response(fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full ``ChatCompletionResponse`` from assembled fields, with
         vLLM's defaults for the rest, so it lines up with a one-shot answer."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 
         return ChatCompletionResponse.model_validate(fields).model_dump()
 
-    def completion_response(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def completion_response(fields: Mapping[str, Any]) -> dict[str, Any]:
         """A full ``CompletionResponse`` from assembled fields."""
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse
 
@@ -278,6 +291,15 @@ class DerenderEngine:
     def close(self) -> None:
         """Close the event loop; the engine opens a new one if used again."""
         self._loop.close()
+
+    def after_fork(self) -> None:
+        """Use the engine in a process forked from the one that built it.
+
+        A fork copies memory, not threads: the renderer's work runs inline
+        (`_InlineExecutor`), so no pool thread is missing, and the event
+        loop was closed before the fork (`close`), so the child opens its
+        own and shares no descriptors. Nothing is left to repair.
+        """
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run a handler coroutine to its end.
@@ -387,6 +409,18 @@ class _Resumed:
                 awaited = resume(argument)
             except StopIteration as done:
                 return done.value
+
+
+class _InlineExecutor(Executor):
+    """Runs submitted work at once, in the submitting thread."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 # vLLM's exception handlers read only ``request.app.state.args.log_error_stack``

@@ -1,0 +1,324 @@
+"""Worker processes: one run's records spread over N processes, answers in
+input order.
+
+The engine is built once, in this process, and each worker is forked from
+it, so the start-up (imports, tokenizer, parsers) is paid once. A fork
+copies memory, not threads: the engine closes its event loop before the
+fork and runs vLLM's renderer work inline, so no thread is missing in a
+worker; `Derenderer.after_fork` is where a path that does hold threads
+would restore them.
+
+Each worker runs a `RecordProcessor`, the same unit `batch.run` runs in
+process. One-shot records go in small batches to the least busy worker.
+Every call of a stream goes to the worker its stream key hashes to, so one
+processor's ledger sees all of a stream's calls, in input order. Answers
+come back in batches and are handed out strictly in input order, so the
+writers see exactly what one process would have given them. At most
+``workers * BATCHES_IN_FLIGHT`` batches are out at a time, so memory stays
+bounded on inputs of any size.
+
+Ctrl-C reaches the workers too (they share the terminal's process group);
+they ignore it and let this process decide: it stops taking records and
+collects every answer already on its way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import time
+import traceback
+import zlib
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .batch import Job, Outcome, OutcomeSource, RecordProcessor, Restored, stream_key
+from .errors import StreamFailure
+from .protocol import Answer, Derenderer, StreamAnswer
+from .records import Record, RequestIndex
+
+BATCH_RECORDS = 16
+"""Records per message to a worker: enough to amortise the hop."""
+BATCHES_IN_FLIGHT = 4
+"""Batches a worker may hold (queued or in work) at a time."""
+_POLL_SECONDS = 1.0
+_RESET = "reset"
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's)."""
+    return len(os.sched_getaffinity(0))
+
+
+class WorkerLost(StreamFailure):
+    """A worker process died or hit a bug; the run cannot finish (exit
+    status 3). Answers handed out before it are complete and in order."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A worker's report of an unexpected exception."""
+
+    worker: int
+    traceback: str
+
+
+# An outcome as it travels back: status, whole body (or None), chunk bytes
+# (or None), chunk facts, completed, tokens.
+_Wire = tuple[int, bytes | None, bytes | None, Any, bool, int, str | None, str | None, tuple[Any, ...]]
+
+
+class WorkerPool:
+    """N forked processes, each answering records with its own
+    `RecordProcessor` over a copy of `engine`. One pool serves any number of
+    runs (one per input file), one at a time; `requests` is the
+    ``--requests`` index every run's job joins with (inherited by the
+    workers, as it cannot travel in a message).
+    """
+
+    def __init__(self, engine: Derenderer, workers: int, requests: RequestIndex | None = None) -> None:
+        if workers < 2:
+            raise ValueError("a pool has at least two workers; one runs in process")
+        started = time.perf_counter()
+        self.size = workers
+        context = multiprocessing.get_context("fork")
+        self._inboxes: list[Any] = [context.Queue() for _ in range(workers)]
+        self._outboxes: list[Any] = [context.Queue() for _ in range(workers)]
+        # No event loop may be shared with the children; the engine opens a
+        # new one when it is next used here.
+        engine.close()
+        # Objects built so far are never collected again, so the children
+        # do not copy the pages the collector would touch.
+        gc.collect()
+        gc.freeze()
+        self._processes = [
+            context.Process(
+                target=_work,
+                args=(index, engine, requests, self._inboxes[index], self._outboxes[index], os.getpid()),
+                name=f"derender-worker-{index}",
+                daemon=True,
+            )
+            for index in range(workers)
+        ]
+        for process in self._processes:
+            process.start()
+        self.startup_seconds = time.perf_counter() - started
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def answering(self, job: Job, *, whole_stream_answers: bool = True) -> OutcomeSource:
+        """The `OutcomeSource` for one run of `job` (``batch.run(...,
+        outcomes=...)``); the workers' processors start afresh.
+
+        `whole_stream_answers` says whether the writer reads a streamed
+        call's whole answer, state included (JSONL output); SSE and
+        assembled output read only the chunk, so the state, which grows
+        with the stream, stays in the worker.
+        """
+        return functools.partial(self._outcomes, job, whole_stream_answers)
+
+    def _outcomes(
+        self, job: Job, whole_stream_answers: bool, items: Iterable[Record | Restored]
+    ) -> Iterator[tuple[Record, Outcome]]:
+        """Every record's outcome, in input order."""
+        # The index stays behind: each worker has the one it was forked with.
+        for inbox in self._inboxes:
+            inbox.put((_RESET, dataclasses.replace(job, requests=None), whole_stream_answers))
+        size = self.size
+        order: deque[tuple[int, Record | None]] = deque()
+        batches: list[list[Record | Restored]] = [[] for _ in range(size)]
+        ready: list[deque[Outcome | None]] = [deque() for _ in range(size)]
+        outstanding = [0] * size
+        limit = size * BATCHES_IN_FLIGHT * BATCH_RECORDS
+        target = 0
+
+        def send(worker: int) -> None:
+            if batches[worker]:
+                self._inboxes[worker].put(_pickled(batches[worker]))
+                batches[worker] = []
+                outstanding[worker] += 1
+
+        def next_outcome() -> tuple[Record | None, Outcome | None]:
+            worker, record = order.popleft()
+            if not ready[worker]:
+                send(worker)  # what is awaited may still sit in its batch
+                ready[worker].extend(self._receive(worker))
+                outstanding[worker] -= 1
+            return record, ready[worker].popleft()
+
+        def drain() -> Iterator[tuple[Record, Outcome]]:
+            for worker in range(size):
+                send(worker)
+            while order:
+                done, outcome = next_outcome()
+                if done is not None and outcome is not None:
+                    yield done, outcome
+
+        reading = iter(items)
+        while True:
+            try:
+                item = next(reading)
+            except StopIteration:
+                break
+            except Exception:
+                # The input broke (a truncated gzip, say): what was read
+                # before it is still answered and written, as in process.
+                yield from drain()
+                raise
+            record = item.record if isinstance(item, Restored) else item
+            if job.stream:
+                worker = zlib.crc32(orjson.dumps(stream_key(record, job))) % size
+            elif isinstance(item, Restored):
+                continue  # a one-shot record has nothing to restore
+            else:
+                worker = target
+            batches[worker].append(item)
+            order.append((worker, None if isinstance(item, Restored) else record))
+            if len(batches[worker]) >= BATCH_RECORDS:
+                send(worker)
+                if not job.stream:
+                    target = min(range(size), key=lambda index: (outstanding[index], index))
+            while len(order) >= limit:
+                done, outcome = next_outcome()
+                if done is not None and outcome is not None:
+                    yield done, outcome
+        yield from drain()
+
+    def _receive(self, worker: int) -> list[Outcome | None]:
+        """The next batch of outcomes from `worker`, waiting as long as it
+        lives."""
+        while True:
+            try:
+                message = self._outboxes[worker].get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                process = self._processes[worker]
+                if not process.is_alive():
+                    raise WorkerLost(
+                        f"worker process {process.pid} exited with status {process.exitcode}"
+                    ) from None
+                continue
+            if isinstance(message, _Failed):
+                raise WorkerLost(f"worker {message.worker} failed:\n{message.traceback}")
+            return [None if wire is None else decode_outcome(wire) for wire in message]
+
+    def close(self) -> None:
+        """Stop the workers: they finish the batch at hand and exit."""
+        for inbox in self._inboxes:
+            inbox.put(None)
+        deadline = time.monotonic() + 10
+        for process in self._processes:
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        for box in (*self._inboxes, *self._outboxes):
+            box.cancel_join_thread()
+            box.close()
+        gc.unfreeze()
+
+
+def _work(
+    index: int,
+    engine: Derenderer,
+    requests: RequestIndex | None,
+    inbox: Any,
+    outbox: Any,
+    parent: int,
+) -> None:
+    """A worker's loop: batches of records in, batches of outcomes out."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine.after_fork()
+    processor: RecordProcessor | None = None
+    whole_stream_answers = True
+    while True:
+        try:
+            message = inbox.get(timeout=_POLL_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # orphaned: nobody reads our answers
+                return
+            continue
+        if message is None:
+            return
+        if isinstance(message, tuple) and message[0] == _RESET:
+            _, job, whole_stream_answers = message
+            processor = RecordProcessor(engine, dataclasses.replace(job, requests=requests))
+            continue
+        assert processor is not None
+        try:
+            results: list[_Wire | None] = []
+            for item in pickle.loads(message):
+                if isinstance(item, Restored):
+                    processor.restore(item.record, item.answer)
+                    results.append(None)
+                else:
+                    results.append(encode_outcome(processor.process(item), whole_stream_answers))
+        except Exception:
+            outbox.put(_Failed(index, traceback.format_exc()))
+            return
+        outbox.put(results)
+
+
+def _pickled(batch: list[Record | Restored]) -> bytes:
+    """A batch of records as bytes, pickled here rather than in the
+    queue's feeder thread, which drops what it cannot pickle and leaves the
+    run waiting for its answers. A body nested as deeply as the JSON
+    parser allows (about 1,000 levels) needs more recursion than pickle
+    gets by default; unpickling needs none."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4 * limit + 1000))
+    try:
+        return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def encode_outcome(outcome: Outcome, whole_stream_answers: bool) -> _Wire:
+    """An outcome as it travels between processes: the answer's bytes (for
+    a streamed call, only its chunk unless `whole_stream_answers`)."""
+    answer = outcome.answer
+    chunk_only = answer.is_stream_answer and not whole_stream_answers
+    return (
+        answer.status,
+        None if chunk_only else answer.raw,
+        answer.chunk_raw if chunk_only else None,
+        outcome.facts,
+        outcome.completed,
+        outcome.tokens,
+        outcome.detail,
+        outcome.traceback,
+        outcome.logs,
+    )
+
+
+def decode_outcome(wire: _Wire) -> Outcome:
+    """The outcome `encode_outcome` sent."""
+    status, raw, chunk_raw, facts, completed, tokens, detail, trace, logs = wire
+    answer: Answer
+    if raw is not None:
+        answer = Answer(status, raw)
+    else:
+        assert chunk_raw is not None
+        answer = StreamAnswer(orjson.loads(chunk_raw), chunk_raw, None, _state_left_in_worker)
+    return Outcome(answer, facts, completed, tokens, detail, trace, logs)
+
+
+def _state_left_in_worker(state: Any) -> Any:
+    raise RuntimeError(
+        "this answer's stream_state stayed in its worker process; "
+        "a pool built with whole_stream_answers=True sends it"
+    )

@@ -1,0 +1,170 @@
+"""Ray Data on a local cluster: two nodes simulated on this machine.
+
+`ray.cluster_utils.Cluster` starts a head and a worker node of one CPU
+each; the CLI spreads its actors over both nodes. The model directory the actors use is shipped (`ModelBundle`): the
+library test deletes the original before the actors start. Answers are
+compared with the in-process run of the same lines, which the parity
+tests compare with the render server. One cluster serves the module; each
+run starts two actors of about 1.7 GB (fractional CPUs, as the 2-core CI
+machine needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from derender_core import Endpoint, Job, JsonlWriter, SseWriter, iter_records, run
+from tests.conftest import Stack
+from tests.helpers import REPO, offline_env
+from tests.sample_inputs import (
+    chat_bodies,
+    chat_error_bodies,
+    stream_bodies,
+    stream_plans,
+    write_jsonl,
+)
+
+ray = pytest.importorskip("ray")
+
+_CREATED = re.compile(rb'"created":\d+')
+_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
+
+
+def normalized(data: bytes) -> bytes:
+    return _TOOL_ID.sub(b"chatcmpl-tool-<id>", _CREATED.sub(b'"created":0', data))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    two_nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    two_nodes.add_node(num_cpus=1)
+    two_nodes.wait_for_nodes()
+    ray.init(address=two_nodes.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        yield two_nodes
+    finally:
+        ray.shutdown()
+        two_nodes.shutdown()
+
+
+def local_answers(stack: Stack, job: Job, lines: list[bytes], sse: bool = False) -> bytes:
+    out = io.BytesIO()
+    writer = SseWriter(target=out) if sse else JsonlWriter(out)
+    engine = stack.engine.in_mode(live=True)
+    run(engine, iter_records(io.BytesIO(b"\n".join(lines) + b"\n")), job, writer)
+    return out.getvalue()
+
+
+def test_cli_ray_streams_stay_on_one_actor_in_order(qwen3_stack: Stack, tmp_path: Path) -> None:
+    """``stream --ray`` on the local cluster the CLI starts itself (it runs
+    before the module's two-node cluster exists): interleaved streams,
+    grouped by request_id so each stays on one actor in input order, give
+    the local run's SSE transcripts. (Grouping shuffles; on the simulated
+    two-node cluster Ray 2.60's shuffle beside an actor pool stalled here.)"""
+    stack = qwen3_stack
+    stream_in = write_jsonl(tmp_path / "stream.jsonl", stream_bodies(stack.builder, stream_plans(stack.builder)))
+    flags = ["--config", "sample_data/qwen3.yaml", "--ray", "--ray-actors", "2"]
+    done = cli("stream", str(stream_in), "--format", "sse", "-o", str(tmp_path / "out.sse"), *flags)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    stream_lines = stream_in.read_bytes().splitlines()
+    expected = local_answers(stack, Job(Endpoint.CHAT, stream=True), stream_lines, sse=True)
+    assert normalized((tmp_path / "out.sse").read_bytes()) == normalized(expected)
+
+
+def test_map_batches_with_a_shipped_model_answers_as_one_process(
+    cluster: Any, qwen3_stack: Stack, tmp_path: Path
+) -> None:
+    """The documented API: text lines in, key/status/response out, one row
+    per input row and in order, a bad line answered, not failing its block;
+    the actors build their engines from the shipped model directory."""
+    from ray.data import ActorPoolStrategy, DataContext
+
+    from derender_core.ray_data import Derender, ModelBundle
+
+    stack = qwen3_stack
+    lines = [orjson.dumps(b) for b in [*chat_bodies(stack.builder), *chat_error_bodies(stack.builder)]]
+    lines = (lines + [b'{"generate_response": [1, 2']) * 4
+    model_copy = tmp_path / "model"
+    shutil.copytree(stack.config.model or "", model_copy)
+    config = dataclasses.replace(stack.config, model=str(model_copy))
+    bundle = ModelBundle.of(config)
+    shutil.rmtree(model_copy)  # only the bundle has it now
+
+    DataContext.get_current().execution_options.preserve_order = True
+    rows = [{"key": number, "text": line} for number, line in enumerate(lines, start=1)]
+    answered = (
+        # Four blocks from the start: a repartition (all-to-all) before an
+        # actor pool hangs on a multi-node cluster in Ray 2.60.
+        ray.data.from_items(rows, override_num_blocks=4)
+        .map_batches(
+            Derender,
+            fn_constructor_kwargs={"config": config, "endpoint": "chat", "model": bundle},
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=2),
+            num_cpus=0.5,
+        )
+        .take_all()
+    )
+    assert [row["key"] for row in answered] == list(range(1, len(lines) + 1))
+    got = b"".join(row["response"].encode() + b"\n" for row in answered)
+    assert normalized(got) == normalized(local_answers(stack, Job(Endpoint.CHAT), lines))
+    assert {row["status"] for row in answered} >= {200, 400, 404}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("derender")), *args],
+        capture_output=True, cwd=REPO, env=offline_env(), timeout=900,
+    )  # fmt: skip
+
+
+def ray_flags(cluster: Any) -> list[str]:
+    return ["--config", "sample_data/qwen3.yaml", "--ray", "--ray-address", cluster.address, "--ray-actors", "2"]
+
+
+def test_cli_ray_on_two_nodes_matches_a_local_run(cluster: Any, qwen3_stack: Stack, tmp_path: Path) -> None:
+    """``--ray`` on the cluster: chat bodies in, Parquet rows out, equal to
+    a local run, record by record."""
+    stack = qwen3_stack
+    chat_lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 3
+    chat_in = tmp_path / "chat.jsonl"
+    chat_in.write_bytes(b"\n".join(chat_lines) + b"\n")
+    flags = ray_flags(cluster)
+
+    done = cli("chat", str(chat_in), "-o", str(tmp_path / "chat.parquet"), *flags)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    table = pq.read_table(tmp_path / "chat.parquet")
+    got = b"".join(response.encode() + b"\n" for response in table.column("response").to_pylist())
+    assert normalized(got) == normalized(local_answers(stack, Job(Endpoint.CHAT), chat_lines))
+    assert table.column("record").to_pylist() == list(range(1, len(chat_lines) + 1))
+    assert b"start-up: ray" in done.stderr
+
+
+def test_ray_flag_without_ray_says_how_to_install(tmp_path: Path) -> None:
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    env = offline_env(PYTHONPATH=str(tmp_path))
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("derender")), "chat", "sample_data/chat.jsonl",
+         "--config", "sample_data/qwen3.yaml", "--ray"],
+        capture_output=True, cwd=REPO, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert b"pip install 'derender[ray]'" in done.stderr
+    assert b"Traceback" not in done.stderr
