@@ -153,6 +153,14 @@ InputArg = Annotated[
         show_default=False,
     ),
 ]
+OneInputArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="INPUT",
+        help="JSONL or SSE capture to read; - for stdin. Gzip and zstd are detected.",
+        show_default=False,
+    ),
+]
 OutputOpt = Annotated[
     str,
     typer.Option(
@@ -810,7 +818,7 @@ def _comparison_output(console: Console, report: str | None, quiet: bool) -> Ite
 @app.command()
 @with_render_options
 def parity(
-    input_path: InputArg,
+    input_path: OneInputArg,
     endpoint: Annotated[
         Endpoint, typer.Option("--endpoint", help="Chat or completion requests.")
     ] = Endpoint.CHAT,

@@ -393,3 +393,9 @@ def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Pat
     assert normalize(lines[3]["choices"]) == normalize(
         qwen3_serve.engine.post(Endpoint.CHAT, list(chat_bodies(qwen3_serve.builder))[3]).body["choices"]
     )
+
+    # The serve path runs in one process: it refuses what would fork or ship it.
+    for scale in (["-j", "2"], ["--ray"]):
+        refused = run_cli("chat", "sample_data/chat.jsonl", "--config", "sample_data/qwen3.yaml", "--flavor", "serve", *scale)
+        assert refused.returncode == 2 and refused.stdout == b""
+        assert b"--flavor serve runs" in refused.stderr
