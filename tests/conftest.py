@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from derender_core import DerenderEngine, RenderConfig
-from tests.helpers import REPO, SAMPLE, RenderServer
+from derender_core import DerenderEngine, RenderConfig, ServeEngine
+from tests.helpers import REPO, SAMPLE, RenderServer, ServeOracle
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,
@@ -116,3 +116,27 @@ def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunn
 
     monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
     yield CliRunner()
+
+
+@dataclass
+class ServeStack:
+    """The bundled Qwen3 sample behind the serve path, and its oracle: the
+    same flags given to `vllm serve` over HTTP with a taped engine core."""
+
+    config: RenderConfig
+    builder: SampleBuilder
+    engine: ServeEngine
+    oracle: ServeOracle
+
+
+@pytest.fixture(scope="session")
+def qwen3_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    config = sample_config()
+    tapes = tmp_path_factory.mktemp("tapes")
+    oracle = ServeOracle(config, tmp_path_factory.mktemp("logs") / "serve-oracle.log", tapes)
+    engine = ServeEngine.build(config)
+    try:
+        yield ServeStack(config, SampleBuilder(qwen3_family(Path(config.model or ""))), engine, oracle)
+    finally:
+        engine.close()
+        oracle.stop()

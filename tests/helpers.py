@@ -92,16 +92,20 @@ class RenderServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render",
+            *self.launcher(),
             *config.to_vllm_argv(),
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=offline_env()
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=offline_env(), cwd=REPO
         )
         self.client = httpx.Client(base_url=self.url, timeout=120)
         self._wait_until_ready()
+
+    def launcher(self) -> list[str]:
+        """The command, before the settings' flags."""
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render"]
 
     def _wait_until_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -138,6 +142,28 @@ class RenderServer:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+class ServeOracle(RenderServer):
+    """`vllm serve` itself over HTTP, its engine core playing tapes the
+    test writes (`tests.serve_oracle`): the oracle for the serve path."""
+
+    def __init__(self, config: RenderConfig, log_path: Path, tapes: Path) -> None:
+        self.tapes = tapes
+        super().__init__(config, log_path)
+
+    def launcher(self) -> list[str]:
+        return [sys.executable, "-m", "tests.serve_oracle", str(self.tapes)]
+
+    def request(
+        self, endpoint: Endpoint, request_id: str, body: dict[str, Any], steps: list[Any]
+    ) -> httpx.Response:
+        """POST `body` as a client of `vllm serve` does, with the record's
+        request id as ``X-Request-Id``, after taping the engine's steps."""
+        external_id = f"chatcmpl-{request_id}" if endpoint is Endpoint.CHAT else f"cmpl-{request_id}-0"
+        (self.tapes / f"{external_id}.json").write_text(json.dumps({"steps": steps}))
+        path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
+        return self.client.post(path, json=body, headers={"X-Request-Id": request_id})
 
 
 def server_stream_answers(
