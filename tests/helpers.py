@@ -40,6 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data"
 
 _TOOL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+_TOOL_ID_BYTES = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
+_CREATED_BYTES = re.compile(rb'"created":\d+')
+
+
+def normalized_bytes(data: bytes) -> bytes:
+    """Output bytes (JSONL or SSE) with `created` and the random tool-call
+    ids blanked, as `normalize` blanks them in parsed values."""
+    return _TOOL_ID_BYTES.sub(b"chatcmpl-tool-<id>", _CREATED_BYTES.sub(b'"created":0', data))
 
 
 def normalize(value: Any) -> Any:

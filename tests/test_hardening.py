@@ -33,6 +33,7 @@ from tests.helpers import (
     SAMPLE,
     invoke,
     normalize,
+    normalized_bytes,
     offline_env,
     read_jsonl,
     run_cli,
@@ -608,8 +609,6 @@ def _clean_run(cli: CliRunner, *args: str, stdin: bytes) -> bytes:
     return _CLEAN_RUNS[args]
 
 
-_CREATED = re.compile(rb'"created":\d+')
-_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
 
 
 def _by_request(output_format: str, output: bytes) -> dict[str, Any]:
@@ -624,7 +623,7 @@ def _by_request(output_format: str, output: bytes) -> dict[str, Any]:
         for block in output.split(b"data: [DONE]\n\n")[:-1]:
             ids = re.findall(rb'^data: \{"id":"([^"]*)"', block, flags=re.M)
             if ids:
-                grouped.setdefault(ids[0].decode(), []).append(_TOOL_ID.sub(b"<id>", _CREATED.sub(b"", block)))
+                grouped.setdefault(ids[0].decode(), []).append(normalized_bytes(block))
     else:
         for answer in normalize(lines_of(output)):
             grouped.setdefault(answer.get("id", "<error>"), []).append(answer)

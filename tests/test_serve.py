@@ -34,7 +34,7 @@ from derender_core import AssembledWriter, Endpoint, FramesAnswer, Job, JsonlWri
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
 from tests.conftest import ServeStack, Stack
-from tests.helpers import SAMPLE, jsonl_answers, normalize, run_cli, run_lines
+from tests.helpers import SAMPLE, jsonl_answers, normalize, normalized_bytes, run_cli, run_lines
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
@@ -48,14 +48,6 @@ from tests.sample_inputs import (
     stream_plans,
 )
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
-
-_CREATED = re.compile(rb'"created":\d+')
-_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
-
-
-def normalized_bytes(data: bytes) -> bytes:
-    return _TOOL_ID.sub(b"chatcmpl-tool-<id>", _CREATED.sub(b'"created":0', data))
-
 
 # --- the corpus ----------------------------------------------------------------
 
