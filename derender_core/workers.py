@@ -87,11 +87,21 @@ class WorkerPool:
     workers, as it cannot travel in a message).
     """
 
-    def __init__(self, engine: Derenderer, workers: int, requests: RequestIndex | None = None) -> None:
+    def __init__(
+        self,
+        engine: Derenderer,
+        workers: int,
+        requests: RequestIndex | None = None,
+        *,
+        records_in_flight: int | None = None,
+    ) -> None:
         if workers < 2:
             raise ValueError("a pool has at least two workers; one runs in process")
         started = time.perf_counter()
         self.size = workers
+        self.records_in_flight = records_in_flight or workers * BATCHES_IN_FLIGHT * BATCH_RECORDS
+        """Records read ahead of the output: what bounds memory, and what a
+        stop still lets finish (they are answered and written, not lost)."""
         context = multiprocessing.get_context("fork")
         self._inboxes: list[Any] = [context.Queue() for _ in range(workers)]
         self._outboxes: list[Any] = [context.Queue() for _ in range(workers)]
@@ -144,7 +154,7 @@ class WorkerPool:
         batches: list[list[Record | Restored]] = [[] for _ in range(size)]
         ready: list[deque[Outcome | None]] = [deque() for _ in range(size)]
         outstanding = [0] * size
-        limit = size * BATCHES_IN_FLIGHT * BATCH_RECORDS
+        limit = self.records_in_flight
         target = 0
 
         def send(worker: int) -> None:
@@ -242,6 +252,11 @@ def _work(
 ) -> None:
     """A worker's loop: batches of records in, batches of outcomes out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Exiting must never wait to flush answers into a pipe nobody reads: a
+    # parent killed outright (SIGKILL) leaves the pipe full, and a worker
+    # waiting on it would live on, holding the run's stdout and stderr. A
+    # parent that is alive has read every answer before it says stop.
+    outbox.cancel_join_thread()
     engine.after_fork()
     processor: RecordProcessor | None = None
     whole_stream_answers = True

@@ -197,7 +197,9 @@ def test_resume_after_a_stop_at_random_points(
     total = expected.count(b"\n")
     first, second = sorted(rng.sample(range(1, total - 1), 2))
     path = tmp_path / f"out{suffix}"
-    pool_cm = WorkerPool(engine, 2) if workers else None
+    # A window smaller than the input, so that the stop bites before every
+    # record has been read ahead (what is in flight is still finished).
+    pool_cm = WorkerPool(engine, 2, records_in_flight=4) if workers else None
     try:
         reports = [
             run_to(path, engine, job, lines, pool_cm, first),
