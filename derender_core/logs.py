@@ -100,11 +100,24 @@ def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
         for handler in original
         for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
     ]
-    logger.handlers = [_Collector(sink, beneath if verbose else [])]
+    # Collectors are reused: this runs once per record, and building a
+    # logging.Handler (its lock, its registration) cost more than the rest.
+    collector = _idle_collectors.pop() if _idle_collectors else _Collector(sink, [])
+    collector._sink, collector._passthrough = sink, beneath if verbose else []
+    logger.handlers = [collector]
     try:
         yield
     finally:
         logger.handlers = original
+        collector._sink, collector._passthrough = _drop, []
+        _idle_collectors.append(collector)
+
+
+_idle_collectors: list[_Collector] = []
+
+
+def _drop(line: LogLine) -> None:
+    """The sink of an idle collector."""
 
 
 @contextlib.contextmanager
