@@ -171,13 +171,17 @@ class WorkerPool:
                 outstanding[worker] -= 1
             return record, ready[worker].popleft()
 
-        def drain() -> Iterator[tuple[Record, Outcome]]:
-            for worker in range(size):
-                send(worker)
-            while order:
+        def answered(keep: int) -> Iterator[tuple[Record, Outcome]]:
+            """Outcomes, in order, until at most `keep` records are in flight."""
+            while len(order) > keep:
                 done, outcome = next_outcome()
                 if done is not None and outcome is not None:
                     yield done, outcome
+
+        def drain() -> Iterator[tuple[Record, Outcome]]:
+            for worker in range(size):
+                send(worker)
+            yield from answered(0)
 
         reading = iter(items)
         while True:
@@ -203,10 +207,7 @@ class WorkerPool:
                 send(worker)
                 if not job.stream:
                     target = min(range(size), key=lambda index: (outstanding[index], index))
-            while len(order) >= limit:
-                done, outcome = next_outcome()
-                if done is not None and outcome is not None:
-                    yield done, outcome
+            yield from answered(limit - 1)
         yield from drain()
 
     def _receive(self, worker: int) -> list[Outcome | None]:
