@@ -25,25 +25,39 @@ import typer
 from rich.console import Console
 
 from derender_core import (
+    PATHS,
     AssembledWriter,
+    Chunking,
+    ConfigError,
     DerenderEngine,
+    Derenderer,
     DerenderError,
+    Divergence,
     Endpoint,
     ErrorLog,
     ExitStatus,
     InputError,
     Job,
     JsonlWriter,
+    Normalization,
     OutcomeSource,
+    Parity,
     RenderConfig,
     Report,
     RequestIndex,
     RunIncomplete,
+    ServeEngine,
     SseWriter,
     StreamFailure,
     Writer,
+    diff_items,
+    from_serve,
+    iter_records,
+    open_input,
     open_output,
+    read_items,
     refuse_overwriting,
+    requests_of,
     run,
 )
 from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
@@ -52,6 +66,7 @@ from derender_core.resume import prepare_output, skip_answered
 from derender_core.workers import WorkerPool, usable_cpus
 
 from .progress import ProgressDisplay, Summary, print_summary
+from .report import print_table, write_report
 
 app = typer.Typer(
     name="derender",
@@ -77,6 +92,11 @@ class OutputFormat(str, Enum):
 class StreamMode(str, Enum):
     live = "live"
     replay = "replay"
+
+
+class Flavor(str, Enum):
+    derender = "derender"
+    serve = "serve"
 
 
 def _render_flag(name: str, kind: type, metavar: str, help_text: str) -> Any:
@@ -133,6 +153,14 @@ InputArg = Annotated[
         show_default=False,
     ),
 ]
+OneInputArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="INPUT",
+        help="JSONL or SSE capture to read; - for stdin. Gzip and zstd are detected.",
+        show_default=False,
+    ),
+]
 OutputOpt = Annotated[
     str,
     typer.Option(
@@ -153,6 +181,17 @@ RequestsOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
+FlavorOpt = Annotated[
+    Flavor,
+    typer.Option(
+        "--flavor",
+        help="derender: what the render server's derender endpoint answers. "
+        "serve: what a client of `vllm serve` reads for the same request and tokens, "
+        "through vLLM's own serving stack on a scripted engine core (ids are "
+        "chatcmpl-<request_id> / cmpl-<request_id>). Prompt logprobs, beam search and "
+        "completions with several prompts get an error record under serve.",
+    ),
+]
 LenientOpt = Annotated[
     bool,
     typer.Option(
@@ -193,7 +232,7 @@ WorkersOpt = Annotated[
         min=1,
         metavar="N",
         help="Worker processes, forked after the model loads. 1 runs in this process. "
-        "Default: the CPU cores this process may use.",
+        "Default: the CPU cores this process may use (1 with --flavor serve).",
         show_default=False,
     ),
 ]
@@ -337,6 +376,7 @@ def _derender(
     scale: Scale,
     stream_format: OutputFormat | None = None,
     live: bool = False,
+    flavor: Flavor = Flavor.derender,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it:
     each input in turn, on one engine (and one pool of workers)."""
@@ -355,10 +395,22 @@ def _derender(
         # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
         if path != "-" and not os.path.exists(path):
             raise InputError(f"cannot open input {path}: no such file")
+    engine_class = DerenderEngine
+    if flavor is Flavor.serve:
+        # The serve path drives a live AsyncLLM on its own event loop, which
+        # neither a fork nor a Ray actor's pickling carries over.
+        if scale.ray:
+            raise InputError("--flavor serve runs on this machine: drop --ray")
+        if scale.workers not in (None, 1):
+            raise InputError("--flavor serve runs in one process: drop --workers or use --workers 1")
+        scale = dataclasses.replace(scale, workers=1)
+        engine_class = ServeEngine
     if scale.ray:
         summary = _derender_on_ray(config, plan, job_endpoint, requests_path, flags, scale, stream_format, live)
     else:
-        summary = _derender_here(config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live)
+        summary = _derender_here(
+            config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live, engine_class
+        )  # fmt: skip
     _summarise(console, summary, flags)
     return summary.return_code
 
@@ -391,6 +443,7 @@ def _derender_here(
     scale: Scale,
     stream_format: OutputFormat | None,
     live: bool,
+    engine_class: type[DerenderEngine] = DerenderEngine,
 ) -> Summary:
     """On this machine: one engine, forked into workers, for every input."""
     summary = Summary()
@@ -404,7 +457,7 @@ def _derender_here(
             error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
         progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
         progress.loading(config.model or "")
-        engine = DerenderEngine.build(config, live=live)
+        engine = engine_class.build(config, live=live)
         resources.callback(engine.close)
         summary.startup["model"] = engine.startup_seconds
         job = Job(
@@ -585,6 +638,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         input_path: InputArg,
         output: OutputOpt = "-",
         requests: RequestsOpt = None,
+        flavor: FlavorOpt = Flavor.derender,
         lenient: LenientOpt = False,
         fail_fast: FailFastOpt = False,
         errors: ErrorsOpt = None,
@@ -601,7 +655,9 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
     ) -> int:
         flags = RunFlags(quiet, lenient, fail_fast, errors, verbose)
         scale = Scale(workers, resume, ray, ray_address, ray_actors)
-        return _derender(config, console, input_path, output, endpoint, requests, flags, scale)
+        return _derender(
+            config, console, input_path, output, endpoint, requests, flags, scale, flavor=flavor
+        )
 
     command.__doc__ = doc
     return with_render_options(command)
@@ -650,7 +706,8 @@ def stream(
         OutputFormat,
         typer.Option(
             "--format",
-            help="jsonl: the endpoint's answer per call ({chunk, stream_state}). "
+            help="jsonl: the endpoint's answer per call ({chunk, stream_state}; "
+            "with --flavor serve, {chunks}: the chunks serve sent during that call). "
             "sse: per request, the SSE transcript vllm serve would stream. "
             "assembled: per request, one response built from its stream.",
         ),
@@ -662,13 +719,14 @@ def stream(
             help="live: each stream's parser kept between calls, O(n) per stream; "
             "answers and states equal replay's. replay: every call through vLLM's "
             "own per-call path, O(n) per call, for bug-for-bug reproduction of the "
-            "render server.",
+            "render server. Not used with --flavor serve.",
         ),
     ] = StreamMode.live,
     endpoint: Annotated[
         Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")
     ] = Endpoint.CHAT,
     requests: RequestsOpt = None,
+    flavor: FlavorOpt = Flavor.derender,
     lenient: LenientOpt = False,
     fail_fast: FailFastOpt = False,
     errors: ErrorsOpt = None,
@@ -702,6 +760,7 @@ def stream(
         Scale(workers, resume, ray, ray_address, ray_actors),
         stream_format=output_format,
         live=mode is StreamMode.live,
+        flavor=flavor,
     )
 
 
@@ -740,6 +799,214 @@ def parsers(
             typer.echo(json.dumps(row, ensure_ascii=False))
     else:
         typer.echo(markdown_table(rows))
+
+
+IgnoreOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--ignore",
+        metavar="FIELD",
+        help="A field not to compare (content, reasoning, tool_calls, finish_reason, "
+        "stop_reason, usage, logprobs, system_fingerprint, role_frame, empty_frames, "
+        "finish_frame, null_fields, stop_logic, ...); repeat for several.",
+    ),
+]
+ReportOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--report",
+        metavar="FILE.jsonl",
+        help="Write one JSON line per divergence: request_id, index, left, right, field, "
+        "left_value, right_value (and chunking, where one applies).",
+    ),
+]
+CreatedOpt = Annotated[
+    bool,
+    typer.Option("--ignore-created/--compare-created", help="Whether `created` timestamps are compared."),
+]
+IdsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-ids/--compare-ids",
+        help="Whether response ids and random tool-call ids (chatcmpl-tool-<hex>) are compared.",
+    ),
+]
+NullOpt = Annotated[
+    bool,
+    typer.Option(
+        "--null-is-absent/--null-is-not-absent",
+        help="Whether a field set to null equals a field left out (the per-frame field "
+        "selection is still compared, as null_fields).",
+    ),
+]
+
+
+@contextlib.contextmanager
+def _comparison_output(console: Console, report: str | None, quiet: bool) -> Iterator[list[Divergence]]:
+    """Collects divergences; on the way out, the table and the report."""
+    found: list[Divergence] = []
+    yield found
+    if report is not None:
+        write_report(report, found)
+    if not quiet:
+        print_table(console, found)
+
+
+@app.command()
+@with_render_options
+def parity(
+    input_path: OneInputArg,
+    endpoint: Annotated[
+        Endpoint, typer.Option("--endpoint", help="Chat or completion requests.")
+    ] = Endpoint.CHAT,
+    paths: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--paths",
+            metavar="PATH,...",
+            help=f"Which paths run: {', '.join(PATHS)} (all by default).",
+        ),
+    ] = None,
+    chunking: Annotated[
+        str,
+        typer.Option(
+            "--chunking",
+            metavar="SPEC,...",
+            help="For one-shot input: how the stream paths cut the tokens into chunks: "
+            "N tokens per chunk, 'tail' (one per chunk, then the finish reason on a chunk "
+            "of its own) or 'N+tail'; each spec is one run.",
+        ),
+    ] = "1",
+    ignore: IgnoreOpt = None,
+    report: ReportOpt = None,
+    requests: RequestsOpt = None,
+    stream: Annotated[
+        bool,
+        typer.Option("--stream", help="With --requests: INPUT holds generate stream chunks (or a raw SSE capture)."),
+    ] = False,
+    recorded: Annotated[
+        str | None,
+        typer.Option(
+            "--from-serve",
+            metavar="RECORDED",
+            help="Recorded vllm serve answers (non-stream JSONL, or SSE transcripts: a file or a "
+            "directory of <request_id>.sse) made with return_token_ids: true; INPUT is then the "
+            "requests file (request_id, chat_request or completion_request, prompt_token_ids). "
+            "The answers' tokens run through every path and each path is compared with the recording.",
+        ),
+    ] = None,
+    ignore_created: CreatedOpt = True,
+    ignore_ids: IdsOpt = True,
+    null_is_absent: NullOpt = True,
+    quiet: QuietOpt = False,
+    *,
+    config: RenderConfig,
+    console: Console,
+) -> int:
+    """Run the same token ids through every path and report where they differ.
+
+    Paths: oneshot (the one-shot derender endpoint), replay and live (the
+    streaming derender endpoint in each mode, assembled), serve and
+    serve-oneshot (vllm serve's own handlers, streamed and not). Exit 1 when
+    any divergence remains (or a record cannot be compared), 0 when none.
+    """
+    selected = _parity_paths(paths)
+    chunkings = Chunking.parse_list(chunking)
+    normalization = Normalization(ignore_created, ignore_ids, null_is_absent)
+    requests_seen = skipped = 0
+    with contextlib.ExitStack() as resources:
+        engines = _parity_engines(config, selected, resources)
+        checker = Parity(engines, endpoint, ignore=ignore or (), normalization=normalization)
+        if recorded is not None:
+            index = RequestIndex(input_path)
+            resources.callback(index.close)
+            inputs = from_serve(read_items(recorded), endpoint, index)
+        else:
+            source = resources.enter_context(open_input(input_path))
+            index = None
+            if requests is not None:
+                index = RequestIndex(str(requests))
+                resources.callback(index.close)
+            inputs = requests_of(iter_records(source), endpoint, stream=stream, requests=index, chunkings=chunkings)
+        with _comparison_output(console, report, quiet) as found:
+            for request in inputs:
+                requests_seen += 1
+                if request.problem is not None:
+                    skipped += 1
+                    console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
+                    continue
+                found += checker.run(request)
+    if not quiet:
+        console.print(
+            f"derender: parity: {requests_seen} requests, {len(found)} divergences, "
+            f"{skipped} not compared; paths {', '.join(selected)}",
+            markup=False,
+        )
+    return ExitStatus.RECORDS_FAILED if found or skipped else ExitStatus.OK
+
+
+def _parity_paths(paths: list[str] | None) -> list[str]:
+    names = [name.strip() for value in paths or [",".join(PATHS)] for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PATHS]
+    if unknown:
+        raise ConfigError(f"--paths: unknown path {unknown[0]!r}. Valid paths: {', '.join(PATHS)}.")
+    if len(set(names)) < 2:
+        raise ConfigError("--paths: name at least two paths to compare")
+    return [name for name in PATHS if name in names]
+
+
+def _parity_engines(config: RenderConfig, paths: list[str], resources: contextlib.ExitStack) -> dict[str, Derenderer]:
+    """One render stack for the derender paths, one serve stack for the serve paths."""
+    engines: dict[str, Derenderer] = {}
+    if {"oneshot", "replay", "live"} & set(paths):
+        derender = DerenderEngine.build(config)
+        resources.callback(derender.close)
+        modes = {"oneshot": False, "replay": False, "live": True}
+        engines.update({path: derender.in_mode(live=modes[path]) for path in paths if path in modes})
+    if {"serve", "serve-oneshot"} & set(paths):
+        serve = ServeEngine.build(config)
+        resources.callback(serve.close)
+        engines.update({path: serve for path in paths if path.startswith("serve")})
+    return {path: engines[path] for path in paths}
+
+
+@app.command()
+def diff(
+    expected: Annotated[str, typer.Argument(metavar="EXPECTED", help="Responses, stream answers or SSE transcripts (file or directory of .sse).")],
+    actual: Annotated[str, typer.Argument(metavar="ACTUAL", help="The same requests' answers to compare.")],
+    ignore: IgnoreOpt = None,
+    report: ReportOpt = None,
+    ignore_created: CreatedOpt = True,
+    ignore_ids: IdsOpt = True,
+    null_is_absent: NullOpt = True,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compare two files of answers request by request.
+
+    Each side is one-shot responses (JSONL, error records included), stream
+    answers (derender stream jsonl, {chunk, stream_state} or {chunks} per
+    line) or SSE transcripts (a file, or a directory of <request_id>.sse).
+    Streams are grouped by their chunks' id and compared assembled and by
+    shape. Requests pair up in order, or by file name for two directories.
+    Exit 1 when any divergence remains, 0 when none.
+    """
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    normalization = Normalization(ignore_created, ignore_ids, null_is_absent)
+    try:
+        with _comparison_output(console, report, quiet) as found:
+            found += diff_items(
+                read_items(expected),
+                read_items(actual),
+                by_key=Path(expected).is_dir() and Path(actual).is_dir(),
+                ignore=ignore or (),
+                normalization=normalization,
+            )
+    except DerenderError as exc:
+        console.print(f"derender: error: {exc}", markup=False)
+        raise typer.Exit(ExitStatus.USAGE) from None
+    if not quiet:
+        console.print(f"derender: diff: {len(found)} divergences", markup=False)
+    raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
 
 
 def version_callback(value: bool) -> None:

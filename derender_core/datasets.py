@@ -199,6 +199,8 @@ class ParquetWriter:
                 self._writer.write_batch(batch.cast(self.schema))
                 self.records += batch.num_rows
         self._rows: tuple[list[int], list[int], list[str]] = ([], [], [])
+        self._flushed = 0
+        self._in_place = False
 
     def add(self, answer: Answer, facts: ChunkFacts | None) -> None:
         self.records += 1
@@ -216,6 +218,13 @@ class ParquetWriter:
         self._flush()
         self._writer.close()
         os.replace(self._partial, self.path)
+        self._in_place = True
+
+    @property
+    def records_written(self) -> int:
+        """The rows this run put in the output: none until it is closed,
+        since the file takes its place whole (`Writer.records_written`)."""
+        return self._flushed if self._in_place else 0
 
     def _flush(self) -> None:
         numbers, statuses, responses = self._rows
@@ -223,6 +232,7 @@ class ParquetWriter:
             self._writer.write_table(
                 self._pa.table([numbers, statuses, responses], schema=self.schema)
             )
+            self._flushed += len(numbers)
             self._rows = ([], [], [])
 
 

@@ -92,11 +92,32 @@ def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
     `verbose`, on to vLLM's own handlers in full)."""
     logger = logging.getLogger(VLLM_LOGGER)
     original = logger.handlers[:]
-    logger.handlers = [_Collector(sink, original if verbose else [])]
+    # Nested in another collection (a record's, inside its run's), pass on
+    # to vLLM's own handlers, not to the outer collector: a record's lines
+    # are counted once, through its outcome.
+    beneath = [
+        inner
+        for handler in original
+        for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
+    ]
+    # Collectors are reused: this runs once per record, and building a
+    # logging.Handler (its lock, its registration) cost more than the rest.
+    collector = _idle_collectors.pop() if _idle_collectors else _Collector(sink, [])
+    collector._sink, collector._passthrough = sink, beneath if verbose else []
+    logger.handlers = [collector]
     try:
         yield
     finally:
         logger.handlers = original
+        collector._sink, collector._passthrough = _drop, []
+        _idle_collectors.append(collector)
+
+
+_idle_collectors: list[_Collector] = []
+
+
+def _drop(line: LogLine) -> None:
+    """The sink of an idle collector."""
 
 
 @contextlib.contextmanager

@@ -85,6 +85,20 @@ class Answer:
         """The state a client carries into the next call of the stream."""
         return self.body["stream_state"]
 
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        """The stream chunks this call answered, in order: the render
+        endpoints answer one per call; the serve path may answer none or
+        several (`FramesAnswer`)."""
+        return [self.chunk]
+
+    @property
+    def sse_events(self) -> bytes:
+        """The SSE bytes a client reads for this call: the chunk as one
+        ``data:`` event, or a failed call as the error event the server
+        sends mid-stream (any other answer as its body)."""
+        return b"data: " + (self.chunk_raw if self.is_stream_answer else self.raw) + b"\n\n"
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Answer):
             return NotImplemented
@@ -141,6 +155,55 @@ class StreamAnswer(Answer):
     def raw(self) -> bytes:
         # The handlers' JSONResponse over {"chunk", "stream_state"}, in parts.
         return b'{"chunk":' + self.chunk_raw + b',"stream_state":' + self._dump_state(self._state) + b"}"
+
+
+class FramesAnswer(Answer):
+    """A successful streaming answer made of the SSE frames a server sent
+    for the call, kept as the exact bytes it wrote (``data: <json>\\n\\n``).
+
+    The serve path answers this way: `vllm serve` sends a role frame, no
+    frame for steps whose delta is empty, and the usage frame after the
+    last step, so a call may answer zero, one or several chunks. As JSON
+    (`raw`) the answer is ``{"chunks": [...]}``, each chunk exactly as the
+    server serialised it. There is no state to carry: the path keeps each
+    stream itself.
+    """
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.status = 200
+        self.frames = frames
+
+    @property
+    def is_stream_answer(self) -> bool:
+        return True
+
+    @cached_property
+    def payloads(self) -> list[bytes]:
+        """Each frame's JSON, as the server serialised it."""
+        return [frame.removeprefix(b"data: ").removesuffix(b"\n\n") for frame in self.frames]
+
+    @property
+    def chunk(self) -> dict[str, Any]:
+        raise AttributeError("a frames answer has no single chunk; read `chunks`")
+
+    @cached_property
+    def chunks(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [orjson.loads(payload) for payload in self.payloads]
+
+    @property
+    def stream_state(self) -> Any:
+        return None
+
+    @property
+    def sse_events(self) -> bytes:
+        return b"".join(self.frames)
+
+    @cached_property
+    def raw(self) -> bytes:  # type: ignore[override]
+        return b'{"chunks":[' + b",".join(self.payloads) + b"]}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FramesAnswer, (self.frames,))
 
 
 def render_json(content: Any) -> bytes:

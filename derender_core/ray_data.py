@@ -26,7 +26,10 @@ columnar form (``token_ids`` and ``prompt_token_ids`` as ``list<int32>``,
 ``request_id``) column is passed through. Output rows: ``key``,
 ``status`` (the HTTP status) and ``response`` (the exact body bytes as a
 string), one per input row, in order; a bad record gets its error record
-and never fails its block.
+and never fails its block. Beside them, what the CLI's summary reads:
+``tokens``, ``detail`` (a failure in one line), ``traceback`` (a bug's),
+``logs`` (vLLM's log lines as JSON) and, for streams, ``facts`` and
+``completed``.
 
 Pitfalls found with Ray 2.60, handled by `run_on_ray` (the CLI's
 ``--ray``): actors that take every CPU starve the read and write tasks and
@@ -69,6 +72,7 @@ from .batch import Job, Outcome, RecordProcessor, Report, run, stream_key
 from .config import RenderConfig
 from .datasets import is_parquet, records_from_table
 from .errors import ConfigError, InputError, RunIncomplete
+from .logs import LogLine
 from .protocol import Endpoint
 from .records import GZIP_MAGIC, ZSTD_MAGIC, Record, parse_line
 from .streams import ChunkFacts
@@ -191,9 +195,11 @@ class Derender:
                 keys = batch.column(key_name).to_pylist()
             self._processor = RecordProcessor(self.engine, self.job)
         processor = self._processor
-        columns: dict[str, list[Any]] = {"status": [], "response": [], "tokens": [], "facts": [], "completed": []}
+        columns: dict[str, list[Any]] = {
+            "status": [], "response": [], "tokens": [], "facts": [], "completed": [], "detail": [], "traceback": [], "logs": [],
+        }  # fmt: skip
         for record in records_from_table(batch, self.job, first_number=1, origin="batch"):
-            status, raw, chunk_raw, facts, completed, tokens = encode_outcome(
+            status, raw, chunk_raw, facts, completed, tokens, detail, trace, logs = encode_outcome(
                 processor.process(record), self.whole_stream_answers
             )
             columns["status"].append(status)
@@ -201,6 +207,11 @@ class Derender:
             columns["tokens"].append(tokens)
             columns["facts"].append(None if facts is None else json.dumps(dataclasses.asdict(facts)))
             columns["completed"].append(completed)
+            # What the summary shows: a failure's detail, a bug's traceback
+            # and vLLM's log lines, counted per kind.
+            columns["detail"].append(detail)
+            columns["traceback"].append(trace)
+            columns["logs"].append(json.dumps([dataclasses.asdict(line) for line in logs]) if logs else None)
         table = {"key": keys, **columns}
         if not self.job.stream:
             del table["facts"], table["completed"]
@@ -212,9 +223,13 @@ def _outcome_of(row: dict[str, Any], stream: bool, whole_stream_answers: bool) -
     facts = ChunkFacts(**json.loads(row["facts"])) if stream and row.get("facts") else None
     body = row["response"].encode("utf-8")
     chunk_only = stream and not whole_stream_answers and row["status"] == 200 and facts is not None
+    logs = tuple(
+        LogLine(tuple(line.pop("key")), **line)  # type: ignore[arg-type]
+        for line in json.loads(row.get("logs") or "[]")
+    )
     return decode_outcome(
         (row["status"], None if chunk_only else body, body if chunk_only else None,
-         facts, bool(row.get("completed")), row.get("tokens") or 0, None, None, ())
+         facts, bool(row.get("completed")), row.get("tokens") or 0, row.get("detail"), row.get("traceback"), logs)
     )  # fmt: skip
 
 

@@ -283,13 +283,9 @@ def is_sse_capture(lines: Iterable[bytes]) -> bool:
     return False
 
 
-def iter_records(stream: BinaryIO) -> Iterator[Record]:
-    """Yield the records of a JSONL file or SSE capture, one line at a time.
-
-    Raises:
-        StreamFailure: when the stream cannot be read on.
-
-    """
+def sniff_lines(stream: BinaryIO) -> tuple[bool, Iterator[bytes]]:
+    """Whether the stream is an SSE capture, judged from its first lines,
+    and all its lines (those read to judge first)."""
     lines = iter_lines(stream)
     head: list[bytes] = []
     for line in lines:
@@ -297,9 +293,19 @@ def iter_records(stream: BinaryIO) -> Iterator[Record]:
         text = line.strip()
         if (text and not _is_sse_framing(text)) or len(head) >= SSE_SNIFF_LINES:
             break
-    sse = is_sse_capture(head)
+    return is_sse_capture(head), chain(head, lines)
+
+
+def iter_records(stream: BinaryIO) -> Iterator[Record]:
+    """Yield the records of a JSONL file or SSE capture, one line at a time.
+
+    Raises:
+        StreamFailure: when the stream cannot be read on.
+
+    """
+    sse, lines = sniff_lines(stream)
     number = 0
-    for line_number, line in enumerate(chain(head, lines), start=1):
+    for line_number, line in enumerate(lines, start=1):
         parsed = parse_line(line, sse=sse)
         if parsed is None:
             continue
@@ -474,24 +480,49 @@ def joined_body(
         # What the render step reports: the prompt's length.
         prompt_tokens = len(prompt_token_ids)
 
+    return call_body(
+        endpoint,
+        payload,
+        stream=stream,
+        request=original,
+        prompt_tokens=prompt_tokens,
+        prompt_token_ids=prompt_token_ids,
+        model=request.get("model"),
+    )
+
+
+def call_body(
+    endpoint: Endpoint,
+    generate: Any,
+    *,
+    stream: bool,
+    request: Any = None,
+    prompt_tokens: int | None = None,
+    prompt_token_ids: list[int] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """The derender body that sends one generate response (or, with
+    `stream`, one generate stream chunk) with the original request and its
+    prompt; unset fields are left out."""
     body: dict[str, Any] = {}
-    if request.get("model") is not None:
-        body["model"] = request["model"]
+    if model is not None:
+        body["model"] = model
     if stream:
-        body.update(stream=True, generate_chunk=payload)
+        body.update(stream=True, generate_chunk=generate)
         fields = {"prompt_tokens": prompt_tokens, "prompt_token_ids": prompt_token_ids}
     elif endpoint is Endpoint.CHAT:
-        body["generate_response"] = payload
+        body["generate_response"] = generate
         fields = {"prompt_tokens": prompt_tokens, "prompt_token_ids": prompt_token_ids}
     else:
         # One GenerateResponse per prompt: a bare response is a one-prompt call.
-        body["generate_responses"] = [payload]
+        body["generate_responses"] = [generate]
         fields = {
             "prompt_tokens": None if prompt_tokens is None else [prompt_tokens],
             "prompt_token_ids": None if prompt_token_ids is None else [prompt_token_ids],
         }
     body.update({key: value for key, value in fields.items() if value is not None})
-    body[endpoint.request_key] = original
+    if request is not None:
+        body[endpoint.request_key] = request
     return body
 
 

@@ -87,11 +87,21 @@ class WorkerPool:
     workers, as it cannot travel in a message).
     """
 
-    def __init__(self, engine: Derenderer, workers: int, requests: RequestIndex | None = None) -> None:
+    def __init__(
+        self,
+        engine: Derenderer,
+        workers: int,
+        requests: RequestIndex | None = None,
+        *,
+        records_in_flight: int | None = None,
+    ) -> None:
         if workers < 2:
             raise ValueError("a pool has at least two workers; one runs in process")
         started = time.perf_counter()
         self.size = workers
+        self.records_in_flight = records_in_flight or workers * BATCHES_IN_FLIGHT * BATCH_RECORDS
+        """Records read ahead of the output: what bounds memory, and what a
+        stop still lets finish (they are answered and written, not lost)."""
         context = multiprocessing.get_context("fork")
         self._inboxes: list[Any] = [context.Queue() for _ in range(workers)]
         self._outboxes: list[Any] = [context.Queue() for _ in range(workers)]
@@ -144,7 +154,7 @@ class WorkerPool:
         batches: list[list[Record | Restored]] = [[] for _ in range(size)]
         ready: list[deque[Outcome | None]] = [deque() for _ in range(size)]
         outstanding = [0] * size
-        limit = size * BATCHES_IN_FLIGHT * BATCH_RECORDS
+        limit = self.records_in_flight
         target = 0
 
         def send(worker: int) -> None:
@@ -161,13 +171,17 @@ class WorkerPool:
                 outstanding[worker] -= 1
             return record, ready[worker].popleft()
 
-        def drain() -> Iterator[tuple[Record, Outcome]]:
-            for worker in range(size):
-                send(worker)
-            while order:
+        def answered(keep: int) -> Iterator[tuple[Record, Outcome]]:
+            """Outcomes, in order, until at most `keep` records are in flight."""
+            while len(order) > keep:
                 done, outcome = next_outcome()
                 if done is not None and outcome is not None:
                     yield done, outcome
+
+        def drain() -> Iterator[tuple[Record, Outcome]]:
+            for worker in range(size):
+                send(worker)
+            yield from answered(0)
 
         reading = iter(items)
         while True:
@@ -193,10 +207,7 @@ class WorkerPool:
                 send(worker)
                 if not job.stream:
                     target = min(range(size), key=lambda index: (outstanding[index], index))
-            while len(order) >= limit:
-                done, outcome = next_outcome()
-                if done is not None and outcome is not None:
-                    yield done, outcome
+            yield from answered(limit - 1)
         yield from drain()
 
     def _receive(self, worker: int) -> list[Outcome | None]:
@@ -242,6 +253,11 @@ def _work(
 ) -> None:
     """A worker's loop: batches of records in, batches of outcomes out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Exiting must never wait to flush answers into a pipe nobody reads: a
+    # parent killed outright (SIGKILL) leaves the pipe full, and a worker
+    # waiting on it would live on, holding the run's stdout and stderr. A
+    # parent that is alive has read every answer before it says stop.
+    outbox.cancel_join_thread()
     engine.after_fork()
     processor: RecordProcessor | None = None
     whole_stream_answers = True

@@ -123,10 +123,11 @@ class _GroupedWriter(ABC, Generic[Group]):
 
 class SseWriter(_GroupedWriter[list[bytes]]):
     """Per request, the SSE transcript a client of `vllm serve` reads:
-    ``data: <chunk>`` events, each followed by a blank line, then
-    ``data: [DONE]``. Each chunk is the ``chunk`` the derender endpoint
-    answered, as a split render/generate deployment forwards it. A failed
-    call appears as the error event the server sends mid-stream.
+    each call's events (`Answer.sse_events`), then ``data: [DONE]``. For the
+    render endpoints that is the ``chunk`` each call answered, as a split
+    render/generate deployment forwards it; for the serve path, the frames
+    `vllm serve` itself sent. A failed call appears as the error event the
+    server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
     request gets ``<request_id>.sse`` (unsafe characters replaced by ``_``).
@@ -145,8 +146,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         return []
 
     def _take(self, group: list[bytes], answer: Answer) -> None:
-        data = answer.chunk_raw if answer.is_stream_answer else answer.raw
-        group.append(b"data: " + data + b"\n\n")
+        group.append(answer.sse_events)
 
     def _emit(self, request_id: str | None, group: list[bytes]) -> None:
         transcript = b"".join(group) + SSE_DONE
@@ -204,20 +204,90 @@ class _ChoiceParts:
     stop_reason: int | str | None = None
 
 
-@dataclass
-class _Assembly:
-    first_chunk: Mapping[str, Any] | None = None
-    choices: dict[int, _ChoiceParts] = field(default_factory=dict)
-    usage: Mapping[str, Any] | None = None
-    error: bytes | None = None
+class Assembly:
+    """One request's stream, assembled as a client accumulates it: content,
+    reasoning and text concatenated per choice index, tool calls merged by
+    index (id, name, arguments), logprobs and token ids joined, the last
+    finish reason, stop reason, usage and system fingerprint kept, and the
+    prompt token ids of the chunk that carries them. A failed call, or an
+    error event inside the stream, makes the stream that error.
+    """
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.first_chunk: Mapping[str, Any] | None = None
+        self.choices: dict[int, _ChoiceParts] = {}
+        self.usage: Mapping[str, Any] | None = None
+        self.system_fingerprint: str | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.error: bytes | None = None
+
+    def take(self, answer: Answer) -> None:
+        """Add one call's answer."""
+        if not answer.is_stream_answer:  # an error, or a one-shot answer with --lenient
+            self.error = self.error or answer.raw
+            return
+        for chunk in answer.chunks:
+            self.take_chunk(chunk)
+
+    def take_chunk(self, chunk: Mapping[str, Any]) -> None:
+        """Add one chunk, as a client reads it from the stream."""
+        if "error" in chunk:
+            self.error = self.error or _dump(chunk)
+            return
+        self.first_chunk = self.first_chunk or chunk
+        self.prompt_token_ids = self.prompt_token_ids or chunk.get("prompt_token_ids")
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        self.system_fingerprint = chunk.get("system_fingerprint") or self.system_fingerprint
+        for choice in chunk.get("choices") or []:
+            _merge_choice(self.choices.setdefault(choice["index"], _ChoiceParts()), choice)
+
+    def fields(self, request_id: str | None = None) -> dict[str, Any]:
+        """The assembled response's fields; unset ones are left out."""
+        first = self.first_chunk or {}
+        fields = {
+            "id": first.get("id", request_id),
+            "object": "chat.completion" if self.endpoint is Endpoint.CHAT else "text_completion",
+            "created": first.get("created"),
+            "model": first.get("model", ""),
+            "usage": self.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            "system_fingerprint": self.system_fingerprint,
+            "prompt_token_ids": self.prompt_token_ids,
+            "choices": [self._choice(index, parts) for index, parts in sorted(self.choices.items())],
+        }
+        return {key: value for key, value in fields.items() if value is not None}
+
+    def _choice(self, index: int, parts: _ChoiceParts) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": parts.finish_reason,
+            "stop_reason": parts.stop_reason,
+            "token_ids": parts.token_ids,
+        }
+        if self.endpoint is Endpoint.CHAT:
+            choice["message"] = {
+                "role": parts.role or "assistant",
+                "content": "".join(parts.content) if parts.content else None,
+                "reasoning": "".join(parts.reasoning) if parts.reasoning else None,
+            }
+            if parts.tool_calls:
+                choice["message"]["tool_calls"] = [call for _, call in sorted(parts.tool_calls.items())]
+            choice["logprobs"] = (
+                {"content": [entry for piece in parts.logprobs for entry in piece["content"] or []]}
+                if parts.logprobs
+                else None
+            )
+        else:
+            choice["text"] = "".join(parts.text)
+            choice["logprobs"] = _joined_completion_logprobs(parts.logprobs)
+        return choice
 
 
-class AssembledWriter(_GroupedWriter[_Assembly]):
-    """Per request, one response assembled from its stream, comparable with
-    a one-shot answer: content, reasoning and text concatenated per choice
-    index, tool calls merged by index (id, name, arguments), logprobs and
-    token ids joined, and the last finish reason, stop reason and usage
-    kept. A stream with a failed call is written as that call's error.
+class AssembledWriter(_GroupedWriter[Assembly]):
+    """Per request, one response assembled from its stream (`Assembly`),
+    comparable with a one-shot answer. A stream with a failed call, or with
+    an error event, is written as that error.
 
     `finish` turns the assembled fields into the full response (vLLM's own
     response model fills the remaining fields).
@@ -234,61 +304,18 @@ class AssembledWriter(_GroupedWriter[_Assembly]):
         self._endpoint = endpoint
         self._finish_response = finish
 
-    def _start(self, request_id: str | None) -> _Assembly:
-        return _Assembly()
+    def _start(self, request_id: str | None) -> Assembly:
+        return Assembly(self._endpoint)
 
-    def _take(self, group: _Assembly, answer: Answer) -> None:
-        if not answer.is_stream_answer:  # an error, or a one-shot answer with --lenient
-            group.error = group.error or answer.raw
-            return
-        chunk = answer.chunk
-        group.first_chunk = group.first_chunk or chunk
-        if chunk.get("usage") is not None:
-            group.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            parts = group.choices.setdefault(choice["index"], _ChoiceParts())
-            _merge_choice(parts, choice)
+    def _take(self, group: Assembly, answer: Answer) -> None:
+        group.take(answer)
 
-    def _emit(self, request_id: str | None, group: _Assembly) -> None:
+    def _emit(self, request_id: str | None, group: Assembly) -> None:
         if group.error is not None:
             self._target.write(group.error + b"\n")
             return
-        first = group.first_chunk or {}
-        fields = {
-            "id": first.get("id", request_id),
-            "created": first.get("created"),
-            "model": first.get("model", ""),
-            "usage": group.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-            "choices": [
-                self._choice(index, parts) for index, parts in sorted(group.choices.items())
-            ],
-        }
-        response = self._finish_response({k: v for k, v in fields.items() if v is not None})
+        response = self._finish_response(group.fields(request_id))
         self._target.write(_dump(response) + b"\n")
-
-    def _choice(self, index: int, parts: _ChoiceParts) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": index,
-            "finish_reason": parts.finish_reason,
-            "stop_reason": parts.stop_reason,
-            "token_ids": parts.token_ids,
-        }
-        if self._endpoint is Endpoint.CHAT:
-            choice["message"] = {
-                "role": parts.role or "assistant",
-                "content": "".join(parts.content) if parts.content else None,
-                "reasoning": "".join(parts.reasoning) if parts.reasoning else None,
-                "tool_calls": [call for _, call in sorted(parts.tool_calls.items())],
-            }
-            choice["logprobs"] = (
-                {"content": [entry for piece in parts.logprobs for entry in piece["content"] or []]}
-                if parts.logprobs
-                else None
-            )
-        else:
-            choice["text"] = "".join(parts.text)
-            choice["logprobs"] = _joined_completion_logprobs(parts.logprobs)
-        return choice
 
     def _finish(self) -> None:
         self._target.flush()

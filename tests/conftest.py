@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from derender_core import DerenderEngine, RenderConfig
-from tests.helpers import REPO, SAMPLE, TOKENIZER_CACHE_VARIABLES, RenderServer
+from derender_core import DerenderEngine, RenderConfig, ServeEngine
+from tests.helpers import REPO, SAMPLE, TOKENIZER_CACHE_VARIABLES, RenderServer, ServeOracle
 
 # The suite runs with empty tokenizer caches, so a model that would need a
 # downloaded file fails here instead of finding it in ~/.cache. Set before
@@ -128,3 +128,27 @@ def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunn
 
     monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
     yield CliRunner()
+
+
+@dataclass
+class ServeStack:
+    """The bundled Qwen3 sample behind the serve path, and its oracle: the
+    same flags given to `vllm serve` over HTTP with a taped engine core."""
+
+    config: RenderConfig
+    builder: SampleBuilder
+    engine: ServeEngine
+    oracle: ServeOracle
+
+
+@pytest.fixture(scope="session")
+def qwen3_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    config = sample_config()
+    tapes = tmp_path_factory.mktemp("tapes")
+    oracle = ServeOracle(config, tmp_path_factory.mktemp("logs") / "serve-oracle.log", tapes)
+    engine = ServeEngine.build(config)
+    try:
+        yield ServeStack(config, SampleBuilder(qwen3_family(Path(config.model or ""))), engine, oracle)
+    finally:
+        engine.close()
+        oracle.stop()

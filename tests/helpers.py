@@ -45,6 +45,14 @@ _XLAM_TOOL_ID = re.compile(r"(call_\d+_)[0-9a-f]{16}")
 # Mistral's ids: 9 random letters and digits, in a tool call's "id" or a
 # stream state's last_tool_call_ids.
 _MISTRAL_TOOL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_TOOL_ID_BYTES = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
+_CREATED_BYTES = re.compile(rb'"created":\d+')
+
+
+def normalized_bytes(data: bytes) -> bytes:
+    """Output bytes (JSONL or SSE) with `created` and the random tool-call
+    ids blanked, as `normalize` blanks them in parsed values."""
+    return _TOOL_ID_BYTES.sub(b"chatcmpl-tool-<id>", _CREATED_BYTES.sub(b'"created":0', data))
 
 
 def normalize(value: Any) -> Any:
@@ -148,17 +156,21 @@ class RenderServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render",
+            *self.launcher(),
             *config.to_vllm_argv(),
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env or offline_env()
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env or offline_env(), cwd=REPO
         )
         self.client = httpx.Client(base_url=self.url, timeout=120)
         if wait:
             self.wait_until_ready()
+
+    def launcher(self) -> list[str]:
+        """The command, before the settings' flags."""
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render"]
 
     def wait_until_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -195,6 +207,28 @@ class RenderServer:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+class ServeOracle(RenderServer):
+    """`vllm serve` itself over HTTP, its engine core playing tapes the
+    test writes (`tests.serve_oracle`): the oracle for the serve path."""
+
+    def __init__(self, config: RenderConfig, log_path: Path, tapes: Path) -> None:
+        self.tapes = tapes
+        super().__init__(config, log_path)
+
+    def launcher(self) -> list[str]:
+        return [sys.executable, "-m", "tests.serve_oracle", str(self.tapes)]
+
+    def request(
+        self, endpoint: Endpoint, request_id: str, body: dict[str, Any], steps: list[Any]
+    ) -> httpx.Response:
+        """POST `body` as a client of `vllm serve` does, with the record's
+        request id as ``X-Request-Id``, after taping the engine's steps."""
+        external_id = f"chatcmpl-{request_id}" if endpoint is Endpoint.CHAT else f"cmpl-{request_id}-0"
+        (self.tapes / f"{external_id}.json").write_text(json.dumps({"steps": steps}))
+        path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
+        return self.client.post(path, json=body, headers={"X-Request-Id": request_id})
 
 
 def server_stream_answers(

@@ -33,8 +33,10 @@ from tests.helpers import (
     SAMPLE,
     invoke,
     normalize,
+    normalized_bytes,
     offline_env,
     read_jsonl,
+    run_cli,
     server_stream_answers,
     slow_pipe,
 )
@@ -485,13 +487,21 @@ def test_parser_tracebacks_are_counted_per_kind_with_one_example(cli: CliRunner,
     ) in result.stderr
     # With --verbose they go on, in full, to the handlers vLLM's logger has
     # (in a real run, its stderr handler; here one that keeps them).
+    # In process (-j 1) the test can hold those handlers.
     kept = io.StringIO()
     handler = logging.StreamHandler(kept)
     monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [handler])
-    verbose = invoke(cli, "chat", "-", "--verbose", *FLAGS, stdin=stdin)
+    verbose = invoke(cli, "chat", "-", "--verbose", "-j", "1", *FLAGS, stdin=stdin)
     assert "derender: vLLM logged 3 messages while derendering:" in verbose.stderr
     assert kept.getvalue().count("Traceback (most recent call last)") == 3
     assert logging.getLogger("vllm").handlers == [handler]
+    # Worker processes log through the handlers they were forked with:
+    # vLLM's own, on the real stderr.
+    workers = run_cli("chat", "-", "--verbose", "-j", "2", *FLAGS, stdin=stdin)
+    stderr = workers.stderr.decode()
+    assert workers.returncode == 0, stderr
+    assert "derender: vLLM logged 3 messages while derendering:" in stderr
+    assert stderr.count("Traceback (most recent call last)") == 3
 
 
 def test_jsonl_lines_that_look_like_sse_fields_are_answered_not_dropped(cli: CliRunner) -> None:
@@ -599,8 +609,6 @@ def _clean_run(cli: CliRunner, *args: str, stdin: bytes) -> bytes:
     return _CLEAN_RUNS[args]
 
 
-_CREATED = re.compile(rb'"created":\d+')
-_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
 
 
 def _by_request(output_format: str, output: bytes) -> dict[str, Any]:
@@ -615,7 +623,7 @@ def _by_request(output_format: str, output: bytes) -> dict[str, Any]:
         for block in output.split(b"data: [DONE]\n\n")[:-1]:
             ids = re.findall(rb'^data: \{"id":"([^"]*)"', block, flags=re.M)
             if ids:
-                grouped.setdefault(ids[0].decode(), []).append(_TOOL_ID.sub(b"<id>", _CREATED.sub(b"", block)))
+                grouped.setdefault(ids[0].decode(), []).append(normalized_bytes(block))
     else:
         for answer in normalize(lines_of(output)):
             grouped.setdefault(answer.get("id", "<error>"), []).append(answer)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import pytest
 
 from derender_core import Endpoint, Job, JsonlWriter, SseWriter, iter_records, run
 from tests.conftest import Stack
-from tests.helpers import REPO, offline_env
+from tests.helpers import REPO, normalized_bytes, offline_env
 from tests.sample_inputs import (
     chat_bodies,
     chat_error_bodies,
@@ -39,12 +38,6 @@ from tests.sample_inputs import (
 
 ray = pytest.importorskip("ray")
 
-_CREATED = re.compile(rb'"created":\d+')
-_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
-
-
-def normalized(data: bytes) -> bytes:
-    return _TOOL_ID.sub(b"chatcmpl-tool-<id>", _CREATED.sub(b'"created":0', data))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,7 @@ def test_cli_ray_streams_stay_on_one_actor_in_order(qwen3_stack: Stack, tmp_path
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     stream_lines = stream_in.read_bytes().splitlines()
     expected = local_answers(stack, Job(Endpoint.CHAT, stream=True), stream_lines, sse=True)
-    assert normalized((tmp_path / "out.sse").read_bytes()) == normalized(expected)
+    assert normalized_bytes((tmp_path / "out.sse").read_bytes()) == normalized_bytes(expected)
 
 
 def test_map_batches_with_a_shipped_model_answers_as_one_process(
@@ -123,7 +116,7 @@ def test_map_batches_with_a_shipped_model_answers_as_one_process(
     )
     assert [row["key"] for row in answered] == list(range(1, len(lines) + 1))
     got = b"".join(row["response"].encode() + b"\n" for row in answered)
-    assert normalized(got) == normalized(local_answers(stack, Job(Endpoint.CHAT), lines))
+    assert normalized_bytes(got) == normalized_bytes(local_answers(stack, Job(Endpoint.CHAT), lines))
     assert {row["status"] for row in answered} >= {200, 400, 404}
 
 
@@ -151,7 +144,7 @@ def test_cli_ray_on_two_nodes_matches_a_local_run(cluster: Any, qwen3_stack: Sta
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     table = pq.read_table(tmp_path / "chat.parquet")
     got = b"".join(response.encode() + b"\n" for response in table.column("response").to_pylist())
-    assert normalized(got) == normalized(local_answers(stack, Job(Endpoint.CHAT), chat_lines))
+    assert normalized_bytes(got) == normalized_bytes(local_answers(stack, Job(Endpoint.CHAT), chat_lines))
     assert table.column("record").to_pylist() == list(range(1, len(chat_lines) + 1))
     assert b"start-up: ray" in done.stderr
 

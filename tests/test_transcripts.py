@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 from derender_core import AssembledWriter, Endpoint, Job, SseWriter
 from tests.conftest import Stack
-from tests.helpers import SAMPLE, normalize, read_jsonl, run_lines
+from tests.helpers import SAMPLE, normalize, normalized_bytes, read_jsonl, run_lines
 from tests.sample_inputs import (
     WEATHER_TOOL,
     SampleBuilder,
@@ -33,20 +32,14 @@ from tests.sample_inputs import (
 )
 
 GOLDEN = Path(__file__).parent / "golden"
-_CREATED = re.compile(rb'"created":\d+')
-_TOOL_ID = re.compile(rb"chatcmpl-tool-[0-9a-f]+")
-
-
-def normalize_bytes(data: bytes) -> bytes:
-    return _TOOL_ID.sub(b"chatcmpl-tool-<id>", _CREATED.sub(b'"created":0', data))
 
 
 def check_golden(name: str, data: bytes) -> None:
     path = GOLDEN / name
     if os.environ.get("UPDATE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(normalize_bytes(data))
-    assert normalize_bytes(data) == path.read_bytes()
+        path.write_bytes(normalized_bytes(data))
+    assert normalized_bytes(data) == path.read_bytes()
 
 
 def run_stream(stack: Stack, endpoint: Endpoint, bodies: list[Any], writer: Any) -> None:
@@ -128,7 +121,7 @@ def test_sse_directory_holds_one_file_per_request(qwen3_stack: Stack, tmp_path: 
     together = io.BytesIO()
     run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=together))
     for path in tmp_path.iterdir():
-        assert normalize_bytes(path.read_bytes()) in normalize_bytes(together.getvalue())
+        assert normalized_bytes(path.read_bytes()) in normalized_bytes(together.getvalue())
         assert path.read_bytes().count(b"data: [DONE]\n\n") == 1
         assert path.read_bytes().endswith(b"data: [DONE]\n\n")
 

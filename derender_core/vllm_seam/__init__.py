@@ -4,7 +4,9 @@ One module per vLLM surface this project drives:
 
 - `stack`: vLLM's argument parser and the stack `vllm launch render` builds;
 - `render`: the render server's derender endpoints (replay and live);
-- `live`: the streaming chat derender with its parser kept between calls.
+- `live`: the streaming chat derender with its parser kept between calls;
+- `serve`: `vllm serve`'s chat and completion handlers on a scripted engine
+  core (the coupled path, from recorded token ids).
 
 A vLLM upgrade is reviewed here and nowhere else. Importing this package
 does not import vLLM: each module imports it when a path is built.

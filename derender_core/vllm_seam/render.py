@@ -45,7 +45,14 @@ class DerenderEngine:
     mode over the same stack, without a second start-up.
     """
 
-    def __init__(self, serving: Any, startup_seconds: float, *, live: bool = False) -> None:
+    def __init__(
+        self,
+        serving: Any,
+        startup_seconds: float,
+        *,
+        live: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequestUnion,
             DerenderChatStreamRequest,
@@ -80,8 +87,8 @@ class DerenderEngine:
             Endpoint.COMPLETION: _body_adapter(DerenderCompletionStreamRequest),
         }
         # One loop for the engine and its `in_mode` copies, across calls like
-        # the server's.
-        self._loop = asyncio.new_event_loop()
+        # the server's; a stack whose tasks live on a loop brings that loop.
+        self._loop = loop or asyncio.new_event_loop()
         # request_id -> (raw request, raw prompt ids, validated request, validated ids)
         self._stream_requests: OrderedDict[str, tuple[Any, Any, Any, Any]] = OrderedDict()
 

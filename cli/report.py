@@ -1,0 +1,70 @@
+"""Divergences on stderr, as a Rich table grouped by kind, and as JSONL."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from derender_core import Divergence, open_output
+
+VALUE_WIDTH = 60
+TABLE_WIDTH = 160
+
+
+def write_report(path: str, divergences: list[Divergence]) -> None:
+    """One JSON line per divergence."""
+    with open_output(path) as target:
+        for divergence in divergences:
+            target.write(orjson.dumps(divergence.to_json(), option=orjson.OPT_NON_STR_KEYS) + b"\n")
+
+
+def print_table(console: Console, divergences: list[Divergence]) -> None:
+    """Grouped by kind (paths and field), largest groups first."""
+    if not divergences:
+        return
+    groups: dict[str, list[Divergence]] = defaultdict(list)
+    for divergence in divergences:
+        groups[divergence.kind].append(divergence)
+    table = Table(title="divergences", show_lines=False, expand=False)
+    for column in ("request", "index", "chunking", "left", "right"):
+        table.add_column(column, overflow="fold")
+    for kind, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        table.add_section()
+        table.add_row(Text(f"{kind} ({len(members)})", style="bold"), "", "", "", "")
+        for divergence in members:
+            left, right = _differing(divergence.left_value, divergence.right_value)
+            table.add_row(
+                Text(str(divergence.request_id)),
+                "" if divergence.index is None else str(divergence.index),
+                Text(divergence.chunking or ""),
+                Text(_short(left)),
+                Text(_short(right)),
+            )
+    # Wide enough for a kind and two values per row, on a terminal or not.
+    wide = Console(
+        file=console.file,
+        width=max(console.width, TABLE_WIDTH),
+        highlight=False,
+        force_terminal=console.is_terminal,
+    )
+    wide.print(table)
+
+
+def _differing(left: Any, right: Any) -> tuple[Any, Any]:
+    """Two objects shown by the keys on which they differ (the report keeps
+    them whole)."""
+    if not (isinstance(left, dict) and isinstance(right, dict)):
+        return left, right
+    keys = [k for k in {**left, **right} if left.get(k) != right.get(k)]
+    return {k: left[k] for k in keys if k in left}, {k: right[k] for k in keys if k in right}
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else orjson.dumps(value).decode()
+    text = repr(text) if isinstance(value, str) else text
+    return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 1] + "…"

@@ -1,0 +1,259 @@
+"""Field-level comparison of what two paths answered for one request.
+
+Pure: no vLLM, no I/O. `derender parity` and `derender diff` both reduce
+each side to an `Observed` (a response, the chunks of a stream and its
+assembled response, or an error) and report each difference as a
+`Divergence`, after the normalisation the user chose.
+
+Fields, per choice index: ``content``, ``reasoning``, ``tool_calls``,
+``text`` (completions), ``finish_reason``, ``stop_reason``, ``logprobs``,
+and any other choice or message key by its own name (``token_ids``,
+``role``, ...); per request: ``usage`` and the envelope keys (``model``,
+``object``, ``system_fingerprint``, ``id``, ...), and ``error`` when one
+side failed. Two streams are also compared by their shape, which an
+assembled response hides:
+
+- ``role_frame`` (per choice): whether the frame that first carries the
+  role carries output too (``"with output"``) or nothing else
+  (``"role only"``, as `vllm serve`'s leading role frame);
+- ``empty_frames`` (per choice): frames that carry nothing at all (no
+  output, role, finish reason or logprobs);
+- ``finish_frame`` (per choice): whether the frame that carries
+  ``finish_reason`` carries output too (``"with output"``) or not;
+- ``null_fields``: the frame fields one side writes as ``null`` where the
+  other leaves them out (each side's surplus).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ABSENT = "<absent>"
+"""A field one side leaves out, when null and absent are told apart."""
+_RANDOM_TOOL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+_OUTPUT_KEYS = ("content", "reasoning", "tool_calls")
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """What comparisons overlook; each is on by default."""
+
+    created: bool = True
+    """Timestamps (``created``) are not compared."""
+    random_ids: bool = True
+    """Response ids and random tool-call ids (``chatcmpl-tool-<hex>``) are
+    not compared."""
+    null_is_absent: bool = True
+    """A field set to null (or ``tool_calls`` set to ``[]``) equals a field
+    left out."""
+
+
+DEFAULT_NORMALIZATION = Normalization()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One field on which two paths disagree for one request."""
+
+    request_id: str | None
+    index: int | None
+    """The choice index; None for request-level fields."""
+    left: str
+    right: str
+    field: str
+    left_value: Any
+    right_value: Any
+    chunking: str | None = None
+    """How one-shot tokens were cut into a stream, when that applies."""
+
+    @property
+    def kind(self) -> str:
+        """What divergences are grouped by."""
+        return f"{self.left} vs {self.right}: {self.field}"
+
+    def to_json(self) -> dict[str, Any]:
+        record = {
+            "request_id": self.request_id,
+            "index": self.index,
+            "left": self.left,
+            "right": self.right,
+            "field": self.field,
+            "left_value": self.left_value,
+            "right_value": self.right_value,
+        }
+        if self.chunking is not None:
+            record["chunking"] = self.chunking
+        return record
+
+
+@dataclass
+class Observed:
+    """What one path gave for one request: a response (one-shot, or
+    assembled from a stream), the stream's chunks when it streamed, or the
+    error it answered."""
+
+    response: dict[str, Any] | None = None
+    chunks: list[dict[str, Any]] | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def compare(
+    left_name: str,
+    left: Observed,
+    right_name: str,
+    right: Observed,
+    *,
+    request_id: str | None,
+    ignore: Iterable[str] = (),
+    normalization: Normalization = DEFAULT_NORMALIZATION,
+    chunking: str | None = None,
+) -> list[Divergence]:
+    """Every field on which the two sides differ, in a stable order."""
+    ignored = set(ignore)
+    found: list[Divergence] = []
+
+    def note(index: int | None, name: str, left_value: Any, right_value: Any) -> None:
+        if name not in ignored and left_value != right_value:
+            found.append(
+                Divergence(request_id, index, left_name, right_name, name, left_value, right_value, chunking)
+            )
+
+    if left.error is not None or right.error is not None:
+        note(None, "error", left.error, right.error)
+        return found
+    # Without null_is_absent a field left out shows as ABSENT, else as null.
+    missing = None if normalization.null_is_absent else ABSENT
+    left_response = normalized(left.response or {}, normalization)
+    right_response = normalized(right.response or {}, normalization)
+    left_choices = _by_index(left_response.get("choices"))
+    right_choices = _by_index(right_response.get("choices"))
+    for index in sorted(left_choices.keys() | right_choices.keys()):
+        left_fields = _choice_fields(left_choices.get(index))
+        right_fields = _choice_fields(right_choices.get(index))
+        for name in _ordered(left_fields.keys() | right_fields.keys()):
+            note(index, name, left_fields.get(name, missing), right_fields.get(name, missing))
+    for name in _ordered((left_response.keys() | right_response.keys()) - {"choices"}):
+        note(None, name, left_response.get(name, missing), right_response.get(name, missing))
+    if left.chunks is not None and right.chunks is not None:
+        left_shape, right_shape = stream_shape(left.chunks), stream_shape(right.chunks)
+        for (index, name) in sorted(left_shape.keys() | right_shape.keys(), key=_shape_order):
+            note(index, name, left_shape.get((index, name)), right_shape.get((index, name)))
+        left_nulls, right_nulls = null_fields(left.chunks), null_fields(right.chunks)
+        if left_nulls != right_nulls:
+            note(None, "null_fields", sorted(left_nulls - right_nulls), sorted(right_nulls - left_nulls))
+    return found
+
+
+_FIELD_ORDER = (
+    "content", "reasoning", "tool_calls", "text", "finish_reason", "stop_reason", "logprobs", "usage",
+)  # fmt: skip
+
+
+def _ordered(names: Iterable[str]) -> list[str]:
+    """The documented fields first, in their order, then the rest by name."""
+    names = set(names)
+    return [n for n in _FIELD_ORDER if n in names] + sorted(names - set(_FIELD_ORDER))
+
+
+def _shape_order(key: tuple[int | None, str]) -> tuple[int, str]:
+    index, name = key
+    return (-1 if index is None else index, name)
+
+
+def _by_index(choices: Any) -> dict[int, Mapping[str, Any]]:
+    if not isinstance(choices, list):
+        return {}
+    return {c.get("index", i): c for i, c in enumerate(choices) if isinstance(c, Mapping)}
+
+
+def _choice_fields(choice: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A choice's fields by their report names; a missing choice is one
+    field, ``choice``."""
+    if choice is None:
+        return {"choice": None}
+    fields: dict[str, Any] = {"choice": "present"}
+    for key, value in choice.items():
+        if key == "index":
+            continue
+        if key == "message" and isinstance(value, Mapping):
+            fields.update(value)
+        else:
+            fields[key] = value
+    return fields
+
+
+def normalized(value: Any, normalization: Normalization, top: bool = True) -> Any:
+    """`value` with what the normalisation overlooks taken out."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if normalization.created and key == "created":
+                continue
+            if normalization.random_ids and top and key == "id":
+                continue
+            if normalization.null_is_absent and (item is None or (key == "tool_calls" and item == [])):
+                continue
+            out[key] = normalized(item, normalization, top=False)
+        return out
+    if isinstance(value, list):
+        return [normalized(item, normalization, top=False) for item in value]
+    if normalization.random_ids and isinstance(value, str):
+        return _RANDOM_TOOL_ID.sub("chatcmpl-tool-<id>", value)
+    return value
+
+
+def _has_output(choice: Mapping[str, Any]) -> bool:
+    delta = choice.get("delta")
+    delta = delta if isinstance(delta, Mapping) else {}
+    return bool(
+        any(delta.get(key) for key in _OUTPUT_KEYS)
+        or choice.get("text")
+        or choice.get("logprobs") is not None
+    )
+
+
+def stream_shape(chunks: list[dict[str, Any]]) -> dict[tuple[int | None, str], Any]:
+    """The shape fields of one stream, keyed by (choice index, field)."""
+    shape: dict[tuple[int | None, str], Any] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, Mapping):
+                continue
+            index = choice.get("index")
+            delta = choice.get("delta")
+            delta = delta if isinstance(delta, Mapping) else {}
+            finish = choice.get("finish_reason") is not None
+            output = _has_output(choice)
+            if delta.get("role") and (index, "role_frame") not in shape:
+                shape[(index, "role_frame")] = "with output" if output or finish else "role only"
+            if finish:
+                shape[(index, "finish_frame")] = "with output" if output else "without output"
+            empty = not (output or finish or delta.get("role"))
+            shape[(index, "empty_frames")] = shape.get((index, "empty_frames"), 0) + empty
+    return shape
+
+
+def null_fields(chunks: list[dict[str, Any]]) -> set[str]:
+    """The frame fields written as null, as dotted paths (``[]`` for any
+    list item), over a whole stream."""
+    found: set[str] = set()
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                if item is None:
+                    found.add(child)
+                else:
+                    walk(item, child)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, f"{path}[]")
+
+    for chunk in chunks:
+        walk(chunk, "")
+    return found

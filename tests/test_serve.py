@@ -1,0 +1,393 @@
+"""The serve path (`--flavor serve`): `vllm serve`'s own stack on a scripted
+engine core.
+
+The oracle is `vllm serve` itself: vLLM's API server entry point, run as a
+process on 127.0.0.1 with the same flags, its engine core playing a tape of
+the record's engine steps (`tests.serve_oracle`). Each request goes to it
+over HTTP as a client sends it, with the record's request id as
+``X-Request-Id``; its SSE bytes and JSON bodies must equal the serve path's,
+normalising only ``created`` and the random tool-call ids.
+
+The engine steps come from the record: one token per step for one-shot
+bodies, one chunk per step for streams, a finish-only tail folded into its
+choice's previous step, and a stop string left for the output processor to
+find. Separate tests check the serve path's own stop handling against
+vLLM's documented behaviour, its prompt against the render endpoint's, and
+its logprobs against the derender endpoint's.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from derender_core import AssembledWriter, Endpoint, FramesAnswer, Job, JsonlWriter, SseWriter
+from derender_core.vllm_seam import serve
+from derender_core.vllm_seam.stack import prepare_environment
+from tests.conftest import ServeStack, Stack
+from tests.helpers import SAMPLE, jsonl_answers, normalize, normalized_bytes, run_cli, run_lines
+from tests.sample_inputs import (
+    SampleBuilder,
+    StreamPlan,
+    chat_bodies,
+    chunks_of,
+    completion_bodies,
+    completion_stream_plans,
+    generate_chunks,
+    parser_corner_plans,
+    stream_bodies,
+    stream_plans,
+)
+from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
+
+# --- the corpus ----------------------------------------------------------------
+
+
+def one_shot_chat_corpus(b: SampleBuilder) -> list[dict[str, Any]]:
+    eos = b.family.eos_id
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = b.prompt_ids(messages)
+    hello = b.encode(b.answer("Hello there!", reasoning="Greet back.")) + [eos]
+
+    def body(request_id: str, ids: list[int], stop_reason: int | None = None, **request: Any) -> dict[str, Any]:
+        choice = {"index": 0, "token_ids": ids, "stop_reason": stop_reason}
+        return {
+            "generate_response": {"request_id": request_id, "choices": [choice]},
+            "prompt_token_ids": prompt,
+            "chat_request": b.chat_request(messages, **request),
+        }
+
+    return [
+        *chat_bodies(b),
+        body("hidden-reasoning", hello, include_reasoning=False),
+        body("token-ids", hello, return_token_ids=True),
+        body("stop-token-id", hello[:-1], stop_reason=hello[-2], stop_token_ids=[hello[-2]]),
+    ]
+
+
+def chat_stream_corpus(b: SampleBuilder) -> list[StreamPlan]:
+    return [*stream_plans(b), *parser_corner_plans(b)]
+
+
+def one_shot_completion_corpus(b: SampleBuilder) -> list[dict[str, Any]]:
+    return [body for body in completion_bodies(b) if len(body["generate_responses"]) == 1]
+
+
+# --- equality with `vllm serve` over HTTP -----------------------------------
+
+
+def test_serve_seam_names_exist() -> None:
+    """The private vLLM 0.33 names the serve path drives, as it calls them."""
+    prepare_environment()  # before vLLM picks its platform
+    for module_name, path in serve.SEAM_NAMES:
+        target: Any = importlib.import_module(module_name)
+        for part in path.split("."):
+            assert hasattr(target, part), f"{module_name}.{path} is gone"
+            target = getattr(target, part)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.sched.utils import check_stop
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    assert list(inspect.signature(Scheduler._update_request_with_output).parameters) == [
+        "self", "request", "new_token_ids", "is_stale",
+    ]  # fmt: skip
+    assert list(inspect.signature(check_stop).parameters) == ["request", "max_model_len"]
+    assert isinstance(EngineCoreClient.__dict__["make_async_mp_client"], staticmethod)
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    assert hasattr(loop, "_ready"), "asyncio's ready queue, read to know a step is answered"
+    loop.close()
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_one_shot_equals_vllm_serve(qwen3_serve: ServeStack, endpoint: Endpoint) -> None:
+    b = qwen3_serve.builder
+    if endpoint is Endpoint.CHAT:
+        bodies = one_shot_chat_corpus(b)
+        responses = [body["generate_response"] for body in bodies]
+    else:
+        bodies = one_shot_completion_corpus(b)
+        responses = [body["generate_responses"][0] for body in bodies]
+    answers, code = jsonl_answers(qwen3_serve.engine, Job(endpoint), [orjson.dumps(x) for x in bodies])
+    assert code == 0, answers
+    for body, response, answer in zip(bodies, responses, answers, strict=True):
+        http = qwen3_serve.oracle.request(
+            endpoint,
+            response["request_id"],
+            oracle_body(body[endpoint.request_key], stream=False),
+            one_shot_steps(response["choices"]),
+        )
+        assert http.status_code == 200, http.text
+        assert normalized_bytes(orjson.dumps(answer)) == normalized_bytes(orjson.dumps(http.json()))
+        prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
+        assert answer["id"] == prefix + response["request_id"]
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_streams_equal_vllm_serve_sse(qwen3_serve: ServeStack, endpoint: Endpoint, tmp_path: Path) -> None:
+    b = qwen3_serve.builder
+    plans = chat_stream_corpus(b) if endpoint is Endpoint.CHAT else completion_stream_plans(b)
+    bodies = stream_bodies(b, plans)
+    report = run_lines(
+        qwen3_serve.engine,
+        Job(endpoint, stream=True),
+        [orjson.dumps(x) for x in bodies],
+        SseWriter(directory=tmp_path),
+    )
+    assert report.errors == 0
+    for plan in plans:
+        http = qwen3_serve.oracle.request(
+            endpoint,
+            plan.request_id,
+            oracle_body(plan.request, stream=True),
+            stream_steps(generate_chunks(plan)),
+        )
+        assert http.status_code == 200
+        ours = (tmp_path / f"{plan.request_id}.sse").read_bytes()
+        assert normalized_bytes(ours) == normalized_bytes(http.content), plan.request_id
+
+
+def test_each_call_answers_the_frames_serve_sent_for_it(qwen3_serve: ServeStack) -> None:
+    """A chunk is held until its choice's next chunk, so call k answers
+    chunk k - 1's frames; a finish-only tail finishes the held step, which
+    carries finish_reason on the last token's frame, then the usage."""
+    b = qwen3_serve.builder
+    messages = [{"role": "user", "content": "Say hi."}]
+    plan = StreamPlan(
+        request_id="tail",
+        prompt=b.prompt_ids(messages, **b.family.thinking_off),
+        request=b.chat_request(
+            messages, chat_template_kwargs=b.family.thinking_off, stream=True,
+            stream_options={"include_usage": True},
+        ),  # fmt: skip
+        choices=[chunks_of(b.encode("Hi there, friend!") + [b.family.eos_id], [2])],
+        finish_only_tail=True,
+    )
+    bodies = stream_bodies(b, [plan])
+    answers = [qwen3_serve.engine.post(Endpoint.CHAT, body) for body in bodies]
+    assert all(isinstance(a, FramesAnswer) for a in answers)
+    frames = [[json.loads(p) for p in a.payloads] for a in answers]
+    assert frames[0] == []  # held
+    assert frames[1][0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert frames[1][1]["choices"][0]["delta"]["content"] == "Hi there"
+    tail, usage_call = frames[-2], frames[-1]
+    assert [c["choices"][0]["delta"] for c in tail[:-1]] == [{"content": "!"}]
+    assert tail[0]["choices"][0]["finish_reason"] == "stop"  # on the last token's frame
+    assert tail[-1]["choices"] == [] and tail[-1]["usage"]["completion_tokens"] == 6
+    assert usage_call == []
+
+    # As output: a JSON line per call holds serve's chunks, byte for byte;
+    # the SSE transcript is the frames; assembled, the stream reads as the
+    # content serve sent.
+    jsonl, sse, assembled = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    lines = [orjson.dumps(x) for x in bodies]
+    job = Job(Endpoint.CHAT, stream=True)
+    run_lines(qwen3_serve.engine, job, lines, JsonlWriter(jsonl))
+    run_lines(qwen3_serve.engine, job, lines, SseWriter(sse))
+    run_lines(qwen3_serve.engine, job, lines, AssembledWriter(assembled, Endpoint.CHAT, qwen3_serve.engine.chat_response))
+    calls = jsonl.getvalue().splitlines()
+    assert len(calls) == len(bodies) and calls[0] == b'{"chunks":[]}'
+    events = [line.removeprefix(b"data: ") for line in sse.getvalue().split(b"\n\n") if line]
+    assert events[-1] == b"[DONE]"
+    in_calls = [chunk for call in calls for chunk in json.loads(normalized_bytes(call))["chunks"]]
+    assert in_calls == [json.loads(normalized_bytes(event)) for event in events[:-1]]
+    message = json.loads(assembled.getvalue())["choices"][0]["message"]
+    assert (message["role"], message["content"]) == ("assistant", "Hi there, friend!")
+
+
+# --- known serve behaviour --------------------------------------------------------
+
+
+def test_prompt_is_the_render_endpoints(qwen3_stack: Stack, qwen3_serve: ServeStack) -> None:
+    """The record's prompt ids are what `/v1/chat/completions/render` gives
+    for its request, and the serve path checks its own rendering against
+    them: a record whose prompt differs gets an error record."""
+    b = qwen3_serve.builder
+    cases = [(body["chat_request"], body["prompt_token_ids"]) for body in one_shot_chat_corpus(b)]
+    cases += [(plan.request, plan.prompt) for plan in chat_stream_corpus(b)]
+    for request, prompt in cases:
+        rendered = qwen3_stack.server.client.post("/v1/chat/completions/render", json=request)
+        assert rendered.status_code == 200, rendered.text
+        assert rendered.json()["token_ids"] == prompt
+    body = copy.deepcopy(next(chat_bodies(b)))
+    body["prompt_token_ids"][5] += 1
+    answer = qwen3_serve.engine.post(Endpoint.CHAT, body)
+    assert answer.status == 400
+    assert "serve renders this request to 171 prompt tokens" in answer.error_message
+    assert "differ from token 5 on" in answer.error_message
+
+
+def _findings_of(serve_stack: ServeStack, post: Any) -> tuple[Any, list[serve.StopFinding]]:
+    before = len(serve_stack.engine.findings)
+    result = post()
+    return result, serve_stack.engine.findings[before:]
+
+
+def _hello_body(b: SampleBuilder, request_id: str, ids: list[int], finish: str, **request: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "Count to three, then say END."}]
+    return {
+        "generate_response": {
+            "request_id": request_id,
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, **request.pop("choice", {})}],
+        },
+        "prompt_token_ids": b.prompt_ids(messages, **b.family.thinking_off),
+        "chat_request": b.chat_request(messages, chat_template_kwargs=b.family.thinking_off, **request),
+    }
+
+
+def test_stop_token_and_stop_token_ids(qwen3_serve: ServeStack) -> None:
+    b = qwen3_serve.builder
+    ids = b.encode("One, two, three.")
+    eos = _hello_body(b, "eos", [*ids, b.family.eos_id], "stop")
+    answer, findings = _findings_of(qwen3_serve, lambda: qwen3_serve.engine.post(Endpoint.CHAT, eos))
+    choice = answer.body["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (
+        "One, two, three.", "stop", None,
+    )  # fmt: skip
+    assert findings == []
+    # A stop token id from the request: serve reports it as stop_reason.
+    stop_id = ids[-1]
+    listed = _hello_body(b, "stop-id", ids, "stop", stop_token_ids=[stop_id], choice={"stop_reason": stop_id})
+    answer, findings = _findings_of(qwen3_serve, lambda: qwen3_serve.engine.post(Endpoint.CHAT, listed))
+    choice = answer.body["choices"][0]
+    assert (choice["message"]["content"], choice["stop_reason"]) == ("One, two, three", stop_id)
+    assert findings == []
+
+
+def test_stop_string_one_shot_and_streamed(qwen3_serve: ServeStack, qwen3_stack: Stack) -> None:
+    """Serve cuts the stop string in both modes; the derender endpoint
+    refuses stop strings when streaming."""
+    b = qwen3_serve.builder
+    ids = b.encode("One, two, three. END")
+    body = _hello_body(b, "stop-string", ids, "stop", stop=["END"], choice={"stop_reason": "END"})
+    answer = qwen3_serve.engine.post(Endpoint.CHAT, body)
+    choice = answer.body["choices"][0]
+    assert (choice["message"]["content"], choice["stop_reason"]) == ("One, two, three. ", "END")
+
+    request = {**body["chat_request"], "stream": True}
+    plan = StreamPlan("stop-string-stream", body["prompt_token_ids"], request, [chunks_of(ids, [1])], usage=False)
+    chunks = generate_chunks(plan)
+    chunks[-1]["choices"][0]["stop_reason"] = "END"
+    streamed = [{"stream": True, "generate_chunk": c, "prompt_token_ids": plan.prompt, "chat_request": request}
+                for c in chunks]  # fmt: skip
+    answers = [qwen3_serve.engine.post(Endpoint.CHAT, x) for x in streamed]
+    deltas = [c["choices"][0] for a in answers for c in a.chunks if c["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "One, two, three. "
+    assert (deltas[-1]["finish_reason"], deltas[-1]["stop_reason"]) == ("stop", "END")
+    refused = qwen3_stack.engine.post(Endpoint.CHAT, streamed[0])
+    assert refused.status == 400 and "stop strings are not supported" in refused.error_message
+
+
+def test_length_and_a_disagreeing_record(qwen3_serve: ServeStack) -> None:
+    """max_tokens reached: finish "length", as vLLM's stop logic decides. A
+    record cut at "length" below max_tokens keeps its finish, and the
+    disagreement is a finding."""
+    b = qwen3_serve.builder
+    ids = b.encode("One, two, three. Four, five.")
+    capped = _hello_body(b, "capped", ids, "length", max_tokens=len(ids))
+    answer, findings = _findings_of(qwen3_serve, lambda: qwen3_serve.engine.post(Endpoint.CHAT, capped))
+    assert answer.body["choices"][0]["finish_reason"] == "length"
+    assert findings == []
+    early = _hello_body(b, "early", ids, "length", max_tokens=len(ids) + 5)
+    answer, findings = _findings_of(qwen3_serve, lambda: qwen3_serve.engine.post(Endpoint.CHAT, early))
+    assert answer.body["choices"][0]["finish_reason"] == "length"
+    assert answer.body["usage"]["completion_tokens"] == len(ids)
+    assert [str(f) for f in findings] == [
+        f"request 'early' choice 0: the record has length at token {len(ids)}, "
+        f"vLLM's stop logic has not finished at token {len(ids)}"
+    ]
+    late = _hello_body(b, "late", ids, "length", max_tokens=len(ids) - 2)
+    answer, findings = _findings_of(qwen3_serve, lambda: qwen3_serve.engine.post(Endpoint.CHAT, late))
+    assert answer.body["usage"]["completion_tokens"] == len(ids)
+    assert [(f.recorded, f.vllm) for f in findings] == [
+        (f"not finished at token {len(ids) - 2}", f"length at token {len(ids) - 2}")
+    ]
+
+
+def test_hidden_reasoning(qwen3_serve: ServeStack) -> None:
+    """include_reasoning: false drops the reasoning (and, streamed, the
+    metadata of reasoning steps); the content stays."""
+    b = qwen3_serve.builder
+    body = next(x for x in one_shot_chat_corpus(b) if x["generate_response"]["request_id"] == "hidden-reasoning")
+    message = qwen3_serve.engine.post(Endpoint.CHAT, body).body["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"] == "\n\nHello there!"
+    shown = copy.deepcopy(body)
+    del shown["chat_request"]["include_reasoning"]
+    message = qwen3_serve.engine.post(Endpoint.CHAT, shown).body["choices"][0]["message"]
+    assert message["reasoning"] == "\nGreet back.\n"
+
+
+def test_logprobs_equal_the_derender_endpoints(qwen3_serve: ServeStack, qwen3_stack: Stack) -> None:
+    b = qwen3_serve.builder
+    body = next(x for x in chat_bodies(b) if x["generate_response"]["request_id"] == "chat-n2-logprobs")
+    ours = qwen3_serve.engine.post(Endpoint.CHAT, body).body
+    theirs = qwen3_stack.engine.post(Endpoint.CHAT, body).body
+    assert [c["logprobs"] for c in ours["choices"]] == [c["logprobs"] for c in theirs["choices"]]
+    assert ours["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+
+
+def test_unsupported_requests_get_error_records(qwen3_serve: ServeStack) -> None:
+    b = qwen3_serve.builder
+    body = next(chat_bodies(b))
+    multi = next(x for x in completion_bodies(b) if len(x["generate_responses"]) > 1)
+    cases = [
+        (Endpoint.CHAT, {**body, "chat_request": {**body["chat_request"], "use_beam_search": True}}, "beam search"),
+        (Endpoint.CHAT, {**body, "chat_request": {**body["chat_request"], "prompt_logprobs": 1}}, "prompt_logprobs"),
+        (Endpoint.COMPLETION, multi, "one prompt per completion body"),
+        (Endpoint.CHAT, {k: v for k, v in body.items() if k != "chat_request"}, "needs chat_request"),
+    ]
+    for endpoint, case, message in cases:
+        answer = qwen3_serve.engine.post(endpoint, case)
+        assert answer.status == 400 and message in answer.error_message, answer.raw
+
+
+# --- the command --------------------------------------------------------------------
+
+
+def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Path) -> None:
+    done = run_cli(
+        "stream", "sample_data/stream.jsonl", "--config", "sample_data/qwen3.yaml",
+        "--flavor", "serve", "--format", "sse", "-o", f"{tmp_path}/",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    # The sample's unicode stream is cut at 33 tokens with max_tokens 30.
+    assert b"stream-speculative-unicode' choice 0: the record has not finished at token 30" in done.stderr
+    out = io.BytesIO()
+    bodies = [json.loads(line) for line in (SAMPLE / "stream.jsonl").read_text().splitlines()]
+    run_lines(qwen3_serve.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in bodies], SseWriter(out))
+    ours = sorted(p.name for p in tmp_path.iterdir())
+    assert ours == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
+    # serve's fingerprint hashes its config, model path as given included.
+    fingerprint = re.compile(rb'"system_fingerprint":"vllm-0\.33\.0-[0-9a-f]{8}"')
+    in_process = fingerprint.sub(b"", normalized_bytes(out.getvalue()))
+    for name in ours:
+        transcript = fingerprint.sub(b"", normalized_bytes((tmp_path / name).read_bytes()))
+        assert transcript.endswith(b"data: [DONE]\n\n") and transcript in in_process
+    assert b'"id":"chatcmpl-stream-n2"' in in_process
+
+    chat = run_cli("chat", "sample_data/chat.jsonl", "--config", "sample_data/qwen3.yaml", "--flavor", "serve")
+    assert chat.returncode == 0, chat.stderr.decode()
+    lines = [json.loads(line) for line in chat.stdout.splitlines()]
+    assert [line["id"] for line in lines] == [
+        "chatcmpl-chat-tool-call", "chatcmpl-chat-n2-logprobs", "chatcmpl-chat-unicode", "chatcmpl-chat-stop-string",
+    ]  # fmt: skip
+    assert all(line["system_fingerprint"].startswith("vllm-0.33.0-") for line in lines)
+    assert normalize(lines[3]["choices"]) == normalize(
+        qwen3_serve.engine.post(Endpoint.CHAT, list(chat_bodies(qwen3_serve.builder))[3]).body["choices"]
+    )
+
+    # The serve path runs in one process: it refuses what would fork or ship it.
+    for scale in (["-j", "2"], ["--ray"]):
+        refused = run_cli("chat", "sample_data/chat.jsonl", "--config", "sample_data/qwen3.yaml", "--flavor", "serve", *scale)
+        assert refused.returncode == 2 and refused.stdout == b""
+        assert b"--flavor serve runs" in refused.stderr
