@@ -21,6 +21,7 @@ failing, and its server with caches of its own, empty, and no network.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import json
@@ -35,17 +36,29 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import AssembledWriter, DerenderEngine, Endpoint, Job
+from derender_core import (
+    AssembledWriter,
+    DerenderEngine,
+    Endpoint,
+    Job,
+    Parity,
+    ServeEngine,
+    SseWriter,
+)
 from derender_core.coverage import FAMILIES, KNOWN_ISSUES, FamilyCase
+from derender_core.parity import requests_of
+from derender_core.records import Record
 from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
 from tests.families import CASES, SPECS, family_markup, render_config
 from tests.helpers import (
     REPO,
     RenderServer,
+    ServeOracle,
     empty_cache_env,
     jsonl_answers,
     no_network,
     normalize,
+    normalized_bytes,
     offline_env,
     run_lines,
     server_stream_answers,
@@ -63,6 +76,7 @@ from tests.sample_inputs import (
     one_shot_body,
     stream_bodies,
 )
+from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
 
 SHARED_STACKS = ("qwen3", "deepseek_v4", "llama3")
 """Families conftest already serves for the whole session."""
@@ -515,6 +529,165 @@ def test_llama3_json_stream_drops_the_second_of_two_calls(family: Stack, run: Ru
     whole, streamed = _messages(run, "family-two-tool-calls")
     assert [json.loads(a) for a in _arguments(whole)] == [PARIS_CALL[1], ROME_CALL[1]]
     assert [json.loads(a) for a in _arguments(streamed)] == [PARIS_CALL[1]]
+
+
+# --- derender parity on the families (issue #9) ---------------------------------
+# `derender parity` runs each family's corpus through every path: the
+# one-shot and streaming derender endpoints (replay and live) and vLLM
+# serve's own handlers (streamed and not). It must find the disagreements
+# the issue lists for the family, between the two derender modes and, as
+# serve runs the same parsers, between serve's two modes; and otherwise
+# only serve's own framing, which Qwen3's corpus pins frame by frame
+# (tests/test_parity.py).
+
+SERVE_PARITY = {
+    # family: the (stream, field) pairs where one-shot and streaming differ.
+    # GLM-4.5: one-shot strips the text before a tool call, the stream keeps
+    # its newlines; a call cut at length is "{}" one-shot, partial JSON
+    # streamed.
+    "glm45": {
+        *((stream, "content") for stream in (
+            "family-tool-call", "family-two-tool-calls", "family-cut-at-length",
+            "family-hidden-reasoning", "family-thinking-off", "family-earlier-turn",
+        )),
+        ("family-cut-at-length", "tool_calls"),
+    },
+    # Kimi K2: after an earlier <think></think> turn the stream loses the
+    # reasoning split.
+    "kimi_k2": {("family-earlier-turn", "content"), ("family-earlier-turn", "reasoning")},
+    # gpt-oss: one-shot escapes non-ASCII tool arguments, the stream sends
+    # them raw.
+    "gpt_oss": {("family-unicode-arguments", "tool_calls")},
+}  # fmt: skip
+SERVE_STOP_LOGIC = {
+    # gpt-oss stops at <|call|>, a stop id of its generation config: the
+    # corpus's two calls in one answer run past it, which vLLM's stop logic
+    # in the serve path reports (the recorded finish still wins).
+    "gpt_oss": {("family-two-tool-calls", "record", "serve", "stop_logic")},
+}
+SERVE_FRAMING = {
+    "usage",
+    "system_fingerprint",
+    "null_fields",
+    "role_frame",
+    "empty_frames",
+    "finish_frame",
+}
+"""What serve writes its own way whatever the family: usage details and
+fingerprint, its frame field selection, its role frame, no empty frames,
+finish on the last token's frame."""
+
+
+def rendered_plans(family: Stack) -> list[StreamPlan]:
+    """The family's corpus with each prompt as the render endpoint renders
+    it, as a split deployment records it (gpt-oss renders through harmony,
+    not the chat template, with today's date)."""
+    plans = []
+    for plan in family_plans(family.builder):
+        rendered = family.server.client.post("/v1/chat/completions/render", json=plan.request)
+        assert rendered.status_code == 200, rendered.text
+        plans.append(dataclasses.replace(plan, prompt=rendered.json()["token_ids"]))
+    return plans
+
+
+@pytest.fixture
+def serve_engine(family: Stack) -> Iterator[ServeEngine]:
+    """The family behind vLLM serve's own handlers."""
+    engine = ServeEngine.build(family.config)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("family", list(SERVE_PARITY), indirect=True)
+def test_parity_finds_the_listed_divergences_and_only_serves_framing(
+    family: Stack, serve_engine: ServeEngine
+) -> None:
+    bodies = stream_bodies(family.builder, rendered_plans(family))
+    records = [Record(number, number, body) for number, body in enumerate(bodies, 1)]
+    requests = list(requests_of(records, Endpoint.CHAT, stream=True, requests=None, chunkings=[]))
+    assert all(request.problem is None for request in requests)
+    engines = {
+        "oneshot": family.engine.in_mode(live=False), "replay": family.engine.in_mode(live=False),
+        "live": family.engine.in_mode(live=True), "serve": serve_engine, "serve-oneshot": serve_engine,
+    }  # fmt: skip
+    found = [
+        divergence
+        for request in requests
+        for divergence in Parity(engines, Endpoint.CHAT).run(request)
+    ]
+    content = {
+        (d.request_id, d.left, d.right, d.field) for d in found if d.field not in SERVE_FRAMING
+    }
+    listed = SERVE_PARITY[family.name]
+    assert content == {
+        (stream, left, right, field)
+        for stream, field in listed
+        for left, right in (("oneshot", "replay"), ("serve-oneshot", "serve"))
+    } | SERVE_STOP_LOGIC.get(family.name, set())
+    framing = {(d.left, d.right) for d in found if d.field in SERVE_FRAMING}
+    assert framing == {("oneshot", "serve-oneshot"), ("replay", "serve")}
+    # Serve's usage details and fingerprint, on every request in both modes.
+    for request in requests:
+        for left, right in framing:
+            for field in ("usage", "system_fingerprint"):
+                assert any(
+                    (d.request_id, d.left, d.right, d.field)
+                    == (request.request_id, left, right, field)
+                    for d in found
+                ), (request.request_id, left, right, field)
+
+
+def reporting_call_stops(choice: dict[str, Any], call_id: int) -> dict[str, Any]:
+    """The choice as vLLM's engine core reports it: a stop on <|call|>, a
+    stop id of gpt-oss's generation config but not its EOS, names it as the
+    stop reason (the corpus, like older generate hosts, leaves it out)."""
+    if choice.get("finish_reason") == "stop" and (choice.get("token_ids") or [None])[-1] == call_id:
+        return {**choice, "stop_reason": call_id}
+    return choice
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)
+def test_gpt_oss_serve_path_equals_vllm_serve(family: Stack, serve_engine: ServeEngine, tmp_path: Path) -> None:
+    """gpt-oss goes through serve's harmony path, not the parsers: its
+    answers, one-shot and streamed, are `vllm serve`'s own (over HTTP, on a
+    taped engine core). A prompt the serve path does not render the same
+    way is refused with a hint at the harmony date."""
+    call_id = family.builder.family.tool_call_eos_id
+    assert call_id is not None
+    plans = rendered_plans(family)
+    bodies = stream_bodies(family.builder, plans)
+    for body in bodies:
+        chunk = body["generate_chunk"]
+        chunk["choices"] = [reporting_call_stops(choice, call_id) for choice in chunk["choices"]]
+    run_lines(serve_engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in bodies],
+              SseWriter(directory=tmp_path))  # fmt: skip
+    tapes = tmp_path / "tapes"
+    tapes.mkdir()
+    oracle = ServeOracle(family.config, tmp_path / "serve-oracle.log", tapes)
+    try:
+        for plan in plans:
+            chunks = [b["generate_chunk"] for b in bodies if b["generate_chunk"]["request_id"] == plan.request_id]
+            streamed = oracle.request(Endpoint.CHAT, plan.request_id, oracle_body(plan.request, stream=True),
+                                      stream_steps(chunks))  # fmt: skip
+            assert streamed.status_code == 200, streamed.text
+            ours = (tmp_path / f"{plan.request_id}.sse").read_bytes()
+            assert normalized_bytes(ours) == normalized_bytes(streamed.content), plan.request_id
+            body = one_shot_body(plan, family.builder.family.served_name)
+            response = body["generate_response"]
+            response["choices"] = [reporting_call_stops(choice, call_id) for choice in response["choices"]]
+            whole = oracle.request(Endpoint.CHAT, plan.request_id, oracle_body(body["chat_request"], stream=False),
+                                   one_shot_steps(response["choices"]))  # fmt: skip
+            assert whole.status_code == 200, whole.text
+            answer = serve_engine.post(Endpoint.CHAT, body)
+            assert answer.status == 200, answer.raw
+            assert normalized_bytes(answer.raw) == normalized_bytes(orjson.dumps(whole.json())), plan.request_id
+    finally:
+        oracle.stop()
+    body = one_shot_body(plans[0], family.builder.family.served_name)
+    body["prompt_token_ids"] = family_plans(family.builder)[0].prompt  # the chat template's, not harmony's
+    refused = serve_engine.post(Endpoint.CHAT, body)
+    assert refused.status == 400
+    assert "VLLM_SYSTEM_START_DATE" in refused.error_message
 
 
 # --- start-up ------------------------------------------------------------------

@@ -759,7 +759,8 @@ class ServeEngine(DerenderEngine):
         rendered = list(run.children[0].prompt_token_ids or [])
         if prompt_ids is not None and rendered != list(prompt_ids):
             await self._cancel(run)
-            return self.bad_request(_prompt_mismatch(rendered, list(prompt_ids)))
+            harmony = self._state.openai_serving_chat.model_config.hf_config.model_type == "gpt_oss"
+            return self.bad_request(_prompt_mismatch(rendered, list(prompt_ids), harmony=harmony))
         return run
 
     async def _step(self, run: _ServeRun, pieces: list[_Piece]) -> None:
@@ -851,16 +852,24 @@ def _logprobs_problem(wanted: bool, choice: Any) -> str | None:
     return None
 
 
-def _prompt_mismatch(rendered: list[int], recorded: list[int]) -> str:
+def _prompt_mismatch(rendered: list[int], recorded: list[int], *, harmony: bool) -> str:
     first = next(
         (i for i, (a, b) in enumerate(zip(rendered, recorded, strict=False)) if a != b),
         min(len(rendered), len(recorded)),
     )
-    return (
+    message = (
         f"serve renders this request to {len(rendered)} prompt tokens, the record's "
         f"prompt_token_ids has {len(recorded)}; they differ from token {first} on "
         f"(serve: {rendered[first:first + 5]}, record: {recorded[first:first + 5]})"
     )
+    if harmony:
+        # vLLM writes the conversation's start date into every harmony
+        # system message: today's, unless this variable pins it.
+        message += (
+            "; gpt-oss prompts carry the date they were rendered on: set "
+            "VLLM_SYSTEM_START_DATE=YYYY-MM-DD to the recording's date"
+        )
+    return message
 
 
 def _handler_answer(result: Any) -> Answer:
