@@ -828,7 +828,8 @@ IdsOpt = Annotated[
     bool,
     typer.Option(
         "--ignore-ids/--compare-ids",
-        help="Whether response ids and random tool-call ids (chatcmpl-tool-<hex>) are compared.",
+        help="Whether response ids and random tool-call ids (vLLM's chatcmpl-tool-<hex>, "
+        "xLAM's call_<n>_<hex>, Mistral's 9 characters) are compared.",
     ),
 ]
 NullOpt = Annotated[

@@ -34,6 +34,12 @@ from typing import Any
 ABSENT = "<absent>"
 """A field one side leaves out, when null and absent are told apart."""
 _RANDOM_TOOL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+# The tool-call id formats some parsers draw at random instead: xLAM's
+# call_<index>_<16 hex digits>, Mistral's 9 letters and digits. Only an
+# "id" field is matched against them; Kimi's ids (functions.<name>:<n>)
+# are not random, so they are compared.
+_XLAM_TOOL_ID = re.compile(r"(call_\d+_)[0-9a-f]{16}")
+_MISTRAL_TOOL_ID = re.compile(r"[A-Za-z0-9]{9}")
 _OUTPUT_KEYS = ("content", "reasoning", "tool_calls")
 
 
@@ -44,8 +50,8 @@ class Normalization:
     created: bool = True
     """Timestamps (``created``) are not compared."""
     random_ids: bool = True
-    """Response ids and random tool-call ids (``chatcmpl-tool-<hex>``) are
-    not compared."""
+    """Response ids and random tool-call ids (vLLM's ``chatcmpl-tool-<hex>``,
+    xLAM's and Mistral's) are not compared."""
     null_is_absent: bool = True
     """A field set to null (or ``tool_calls`` set to ``[]``) equals a field
     left out."""
@@ -193,8 +199,12 @@ def normalized(value: Any, normalization: Normalization, top: bool = True) -> An
         for key, item in value.items():
             if normalization.created and key == "created":
                 continue
-            if normalization.random_ids and top and key == "id":
-                continue
+            if normalization.random_ids and key == "id":
+                if top:
+                    continue
+                if isinstance(item, str):
+                    out[key] = _random_tool_id(item)
+                    continue
             if normalization.null_is_absent and (item is None or (key == "tool_calls" and item == [])):
                 continue
             out[key] = normalized(item, normalization, top=False)
@@ -204,6 +214,12 @@ def normalized(value: Any, normalization: Normalization, top: bool = True) -> An
     if normalization.random_ids and isinstance(value, str):
         return _RANDOM_TOOL_ID.sub("chatcmpl-tool-<id>", value)
     return value
+
+
+def _random_tool_id(value: str) -> str:
+    if _MISTRAL_TOOL_ID.fullmatch(value):
+        return "<random-id>"
+    return _XLAM_TOOL_ID.sub(r"\1<id>", _RANDOM_TOOL_ID.sub("chatcmpl-tool-<id>", value))
 
 
 def _has_output(choice: Mapping[str, Any]) -> bool:

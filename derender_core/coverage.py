@@ -123,15 +123,14 @@ def _blank_line(case: str, parser: str) -> KnownIssue:
     )
 
 
-def _deepseek_v3_reasoning_not_split(case: str) -> KnownIssue:
+def _deepseek_v3_reasoning_follows_the_prompt(case: str) -> KnownIssue:
     return KnownIssue(
         case,
         ("reasoning", "deepseek_v3"),
-        "with thinking on by the default chat-template kwargs, the stream sends the reasoning and `</think>` as content; one-shot splits it",
-        _PINS + "test_deepseek_v3_reasoning_is_not_split_in_streams",
-        ("family-tool-call", "family-two-tool-calls", "family-cut-at-length",
-         "family-unicode-arguments", "family-hidden-reasoning", "family-earlier-turn"),
-    )  # fmt: skip
+        "thinking on by the request, but a prompt rendered with thinking off (ending in `</think>`): "
+        "the stream sends the reasoning and `</think>` as content; one-shot splits it",
+        _PINS + "test_deepseek_v3_stream_reasoning_follows_the_prompt",
+    )
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
@@ -157,7 +156,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     _cut("deepseek_v4", "deepseek_v4", "`{}`"),
     _cut("deepseek_v3", "deepseek_v3", "no call, and drops the call from the content"),
     _blank_line("deepseek_v3", "deepseek_v3"),
-    _deepseek_v3_reasoning_not_split("deepseek_v31"),
+    _deepseek_v3_reasoning_follows_the_prompt("deepseek_v31"),
     _cut("deepseek_v31", "deepseek_v31", "no call, and drops the call from the content"),
     KnownIssue(
         "deepseek_v31",
@@ -166,7 +165,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         _PINS + "test_deepseek_v31_stream_cuts_the_end_of_the_first_of_two_calls",
         ("family-two-tool-calls",),
     ),
-    _deepseek_v3_reasoning_not_split("deepseek_v32"),
+    _deepseek_v3_reasoning_follows_the_prompt("deepseek_v32"),
     _cut("deepseek_v32", "deepseek_v32", "`{}`"),
     KnownIssue(
         "kimi_k2",

@@ -215,6 +215,23 @@ def test_normalisation_is_switchable() -> None:
     assert fields == {("created", 1, 2), ("id", "a", "b"), ("refusal", None, "<absent>")}
 
 
+def test_random_tool_call_ids_of_every_format_are_overlooked_and_only_those() -> None:
+    """vLLM's, xLAM's and Mistral's tool-call ids are drawn at random;
+    Kimi's name the call, so a different one is a divergence."""
+
+    def response(*ids: str) -> Observed:
+        calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]
+        return Observed(response={"choices": [{"index": 0, "message": {"tool_calls": calls}}]})
+
+    left = response("chatcmpl-tool-0a1b", "call_0_0123456789abcdef", "TZk4nuzac", "functions.f:0")
+    same = response("chatcmpl-tool-ffff", "call_0_fedcba9876543210", "31u0D6IIB", "functions.f:0")
+    assert compare("l", left, "r", same, request_id="r1") == []
+    other_kimi = response("chatcmpl-tool-ffff", "call_0_fedcba9876543210", "31u0D6IIB", "functions.f:1")
+    assert [d.field for d in compare("l", left, "r", other_kimi, request_id="r1")] == ["tool_calls"]
+    strict = Normalization(random_ids=False)
+    assert [d.field for d in compare("l", left, "r", same, request_id="r1", normalization=strict)] == ["tool_calls"]
+
+
 def _one_shot(token_ids: list[int], finish: str | None, stop_reason: Any, logprobs: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "token_ids": token_ids, "finish_reason": finish}
     if stop_reason is not None:
