@@ -193,6 +193,13 @@ class RenderServer:
     def post(self, endpoint: Endpoint, body: Any) -> httpx.Response:
         return self.client.post(endpoint.path, json=body)
 
+    def rendered_prompt(self, chat_request: dict[str, Any]) -> list[int]:
+        """The prompt ids `/v1/chat/completions/render` gives for the
+        request: what a split deployment records as ``prompt_token_ids``."""
+        rendered = self.client.post("/v1/chat/completions/render", json=chat_request)
+        assert rendered.status_code == 200, rendered.text
+        return list(rendered.json()["token_ids"])
+
     def post_raw(self, endpoint: Endpoint, raw: bytes) -> httpx.Response:
         return self.client.post(
             endpoint.path, content=raw, headers={"content-type": "application/json"}

@@ -225,12 +225,10 @@ def rendered_plans(family: Stack) -> list[StreamPlan]:
     it, as a split deployment records it: with the deployment's default
     chat-template kwargs (DeepSeek V3.1/V3.2's and Gemma 4's thinking on),
     and for gpt-oss through harmony, with today's date."""
-    plans = []
-    for plan in family_plans(family.builder):
-        rendered = family.server.client.post("/v1/chat/completions/render", json=plan.request)
-        assert rendered.status_code == 200, rendered.text
-        plans.append(dataclasses.replace(plan, prompt=rendered.json()["token_ids"]))
-    return plans
+    return [
+        dataclasses.replace(plan, prompt=family.server.rendered_prompt(plan.request))
+        for plan in family_plans(family.builder)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -509,9 +507,8 @@ def test_deepseek_v3_stream_reasoning_follows_the_prompt(family: Stack, run: Run
     assert whole["reasoning"] == streamed["reasoning"] == FAMILY_REASONING
     b = family.builder
     messages = [{"role": "user", "content": "Hi!"}]
-    rendered = family.server.client.post("/v1/chat/completions/render", json=b.chat_request(messages))
     think_start, think_end = b.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    assert rendered.json()["token_ids"][-1] == think_start
+    assert family.server.rendered_prompt(b.chat_request(messages))[-1] == think_start
     plan = StreamPlan(
         request_id="thinking-off-prompt",
         prompt=b.prompt_ids(messages),
@@ -613,8 +610,7 @@ def test_parity_on_every_family(family: Stack, run: Run, serve_engine: ServeEngi
     the derender's do, on the streams `coverage.KNOWN_ISSUES` names (and,
     for the families issue #9 lists, on its fields); between derender and
     serve there is only serve's own framing; live is replay."""
-    bodies = stream_bodies(family.builder, run.plans)
-    records = [Record(number, number, body) for number, body in enumerate(bodies, 1)]
+    records = [Record(number, number, body) for number, body in enumerate(run.bodies, 1)]
     requests = list(requests_of(records, Endpoint.CHAT, stream=True, requests=None, chunkings=[]))
     assert all(request.problem is None for request in requests)
     engines = {
