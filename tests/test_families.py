@@ -36,6 +36,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from derender_core import (
     AssembledWriter,
@@ -50,6 +52,7 @@ from derender_core.coverage import FAMILIES, KNOWN_ISSUES, FamilyCase
 from derender_core.parity import requests_of
 from derender_core.records import Record
 from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
+from tests import decode_proof
 from tests.families import CASES, SPECS, family_markup, render_config
 from tests.helpers import (
     REPO,
@@ -264,6 +267,44 @@ def test_one_shot_matches_server(family: Stack, run: Run) -> None:
         response = family.server.post(Endpoint.CHAT, one_shot_body(plan, name))
         assert response.status_code == 200, response.text
         assert normalize(run.one_shot[plan.request_id]) == normalize(response.json()), plan.request_id
+
+
+def test_decodes_as_its_coverage_row_says(family: Stack) -> None:
+    """The fast path covers the family's tokenizer kind, or the family runs
+    vLLM's own path (as `coverage.FAMILIES` and the README say)."""
+    assert family.engine.decoder_kind == CASES[family.name].decode
+    assert family.engine.in_mode(decode="reference").decoder_kind == "reference"
+
+
+@pytest.mark.parametrize(
+    "check",
+    [decode_proof.check_decode_output, decode_proof.check_detokenize_delta, decode_proof.check_logprobs],
+    ids=["decode_output", "detokenize_delta", "logprobs"],
+)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_fast_decode_is_vllms(family: Stack, check: Any, data: Any) -> None:
+    """The fast decode against vLLM's own functions on the family's real
+    tokenizer, over drawn ids (`tests.decode_proof`)."""
+    if family.engine.decoder_kind == "reference":
+        pytest.skip("this tokenizer runs vLLM's own path: there is no fast path to compare")
+    check(family.engine, data)
+
+
+def test_fast_answers_are_the_reference_answers(family: Stack, run: Run) -> None:
+    """Whole answers: the family corpus one-shot (logprobs included) and
+    every live call equal vLLM's own decode, byte for byte."""
+    name = family.builder.family.served_name
+    reference = family.engine.in_mode(decode="reference")
+    for plan in run.plans:
+        body = one_shot_body(plan, name)
+        assert normalized_bytes(family.engine.post(Endpoint.CHAT, body).raw) == normalized_bytes(
+            reference.post(Endpoint.CHAT, body).raw
+        ), plan.request_id
+    lines = [orjson.dumps(body) for body in run.bodies]
+    replay, _ = jsonl_answers(reference, Job(Endpoint.CHAT, stream=True), lines)
+    for number, (live, expected) in enumerate(zip(run.live, replay, strict=True), 1):
+        assert normalize(live) == normalize(expected), f"call {number}"
 
 
 def test_one_shot_reads_what_the_model_wrote(family: Stack, run: Run) -> None:

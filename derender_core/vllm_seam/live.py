@@ -42,18 +42,17 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.parser import Parser
 from vllm.renderers.online_derenderer import (
-    OnlineDerenderer,
     _chat_top_logprobs_limit,
     _decode_params,
     _logprob_context_tail,
     _resolve_logprobs,
     _seed_stream_state,
 )
-from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
+from .fast import FastDerenderer
 
 
-class LiveDerenderer(OnlineDerenderer):
-    """``OnlineDerenderer`` whose parsed chat streams step each chunk once
+class LiveDerenderer(FastDerenderer):
+    """`FastDerenderer` whose parsed chat streams step each chunk once
     while `live` is set, and replay as vLLM does while it is not, so one
     stack serves both modes."""
 
@@ -98,7 +97,7 @@ class _LiveStream:
 
     def __init__(
         self,
-        derenderer: OnlineDerenderer,
+        derenderer: FastDerenderer,
         parser_cls: type[Parser],
         base: DerenderStreamState,
         request: ChatCompletionRequest,
@@ -108,7 +107,7 @@ class _LiveStream:
         self.request = request
         self.prompt_token_ids = prompt_token_ids
         self.base = base
-        self.tokenizer = _single_thread_view(derenderer.renderer.get_tokenizer())
+        self.tokenizer = derenderer.tokenizer
         self.processor = ChatStreamProcessor(
             request,
             parser_cls(
@@ -302,23 +301,6 @@ class LiveState:
 
     def model_dump(self) -> dict[str, Any]:
         return self.to_model().model_dump()
-
-
-def _single_thread_view(tokenizer: Any) -> Any:
-    """The tokenizer without vLLM's thread-pool wrapper.
-
-    vLLM routes every call of a fast tokenizer through a queue of deep
-    copies (``maybe_make_thread_pool``) so that its executor threads can
-    decode at once. A live stream steps on one thread only, and the wrapper
-    costs about a quarter of a step; this view calls the same tokenizer
-    class's own methods on the same state, so every result is the same.
-    """
-    if not isinstance(tokenizer, ThreadSafeHFTokenizerMixin):
-        return tokenizer
-    unwrapped = type(tokenizer).__mro__[1]  # TokenizerPool(<the tokenizer's class>, mixin)
-    view = object.__new__(unwrapped)
-    view.__dict__.update(tokenizer.__dict__)
-    return view
 
 
 class _Prefix(Sequence[int]):

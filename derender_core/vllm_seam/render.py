@@ -13,10 +13,14 @@ state kept between calls) share everything here; they differ only in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import gc
+import json
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +29,10 @@ from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
 from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
+
+DECODE_MODES = ("fast", "reference")
+"""``--decode``: "fast" (the default) or "reference", vLLM's own per-token
+path, bug for bug."""
 
 _T = TypeVar("_T")
 
@@ -51,6 +59,7 @@ class DerenderEngine:
         startup_seconds: float,
         *,
         live: bool = False,
+        decode: str = "fast",
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
@@ -73,6 +82,11 @@ class DerenderEngine:
         executor._inner = _InlineExecutor()
         self.startup_seconds = startup_seconds
         self.live = live
+        if decode not in DECODE_MODES:
+            raise ConfigError(f"--decode: unknown mode {decode!r}. Valid modes: {', '.join(DECODE_MODES)}.")
+        self.decode = decode
+        """"fast": exact batched decode (`fast.TokenTable`) where the
+        tokenizer allows; "reference": vLLM's own per-token path."""
         self.vocab_size = _vocab_size(self.tokenizer)
         """The tokenizer's full size, added tokens included: ids at or above
         it decode as nothing."""
@@ -93,7 +107,7 @@ class DerenderEngine:
         self._stream_requests: OrderedDict[str, tuple[Any, Any, Any, Any]] = OrderedDict()
 
     @classmethod
-    def build(cls, config: RenderConfig, *, live: bool = False) -> DerenderEngine:
+    def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
         """Build the stack from a local model directory, as the server does.
 
         Raises:
@@ -116,7 +130,7 @@ class DerenderEngine:
             raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
-        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live)
+        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live, decode=decode)
         engine._check_tokenizer(config.tokenizer or config.model or "")
         return engine
 
@@ -147,17 +161,41 @@ class DerenderEngine:
                 "(tokenizer.json, tokenizer.model, vocab.json, ...) missing?"
             )
 
-    def in_mode(self, *, live: bool) -> DerenderEngine:
-        """This engine in live or replay mode, sharing the stack."""
+    def in_mode(self, *, live: bool | None = None, decode: str | None = None) -> DerenderEngine:
+        """This engine in another stream mode or decode mode, sharing the stack."""
         other = copy.copy(self)
-        other.live = live
+        if live is not None:
+            other.live = live
+        if decode is not None:
+            if decode not in DECODE_MODES:
+                raise ConfigError(f"--decode: unknown mode {decode!r}. Valid modes: {', '.join(DECODE_MODES)}.")
+            other.decode = decode
         return other
+
+    @property
+    def decoder_kind(self) -> str:
+        """How this engine decodes: the proven decoder kind of a fast path
+        ("byte-level", "sentencepiece"), "incremental" for a fast tokenizer
+        of another kind (vLLM's steps, batched), or "reference"."""
+        derenderer = self._serving.online_derenderer
+        if self.decode == "reference" or derenderer.table is None:
+            return "reference"
+        return derenderer.table.kind or "incremental"
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one derender call as ``POST endpoint.path`` would."""
-        from pydantic import ValidationError
+        derenderer = self._serving.online_derenderer
+        derenderer.live = self.live
+        derenderer.decode_mode = self.decode
+        derenderer.spliced = []
+        # A response is thousands of short-lived containers; the collector's
+        # full passes over the heap (the tokenizer's vocabulary and merges
+        # among it) would otherwise cost more than the record itself.
+        with collector_paused():
+            return self._post(endpoint, body)
 
-        self._serving.online_derenderer.live = self.live
+    def _post(self, endpoint: Endpoint, body: Any) -> Answer:
+        from pydantic import ValidationError
 
         if body is None:  # FastAPI reports a null body as missing
             return self._validation_answer(
@@ -344,7 +382,7 @@ class DerenderEngine:
             result = await self._serving.derender_completion_response(request)
         if isinstance(result, ErrorResponse):
             return _json_answer(result.model_dump(), result.error.code)
-        return _json_answer(result.model_dump())
+        return _json_answer(result.model_dump(), spliced=self._serving.online_derenderer.spliced)
 
     def _validation_answer(self, errors: list[dict[str, Any]]) -> Answer:
         from fastapi.exceptions import RequestValidationError
@@ -442,15 +480,46 @@ def _body_adapter(union: Any) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[union, Body()])
 
 
-def _json_answer(content: Any, status: int = 200) -> Answer:
+def _json_answer(content: Any, status: int = 200, spliced: Sequence[str | None] = ()) -> Answer:
     """Serialize as the handlers' ``JSONResponse(content=...)`` does, so the
-    bytes, and the failures on non-finite floats, match the server's."""
+    bytes, and the failures on non-finite floats, match the server's.
+
+    `spliced` holds, per choice, the JSON of its ``logprobs`` where the
+    derenderer wrote it directly (`fast.FastDerenderer`): the choice carries
+    a placeholder string while the rest serialises, and the JSON takes the
+    placeholder's place, so the bytes are those the models would give.
+    """
     from fastapi.responses import JSONResponse
 
+    marks = []
+    for index, rendered in enumerate(spliced):
+        if rendered is not None:
+            content["choices"][index]["logprobs"] = f"{_SPLICE_MARK}{index}"
+            marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
     try:
-        return Answer(status, bytes(JSONResponse(content=content, status_code=status).body))
+        raw = bytes(JSONResponse(content=content, status_code=status).body)
     except ValueError as exc:
         return _unserialisable(exc)
+    for mark, rendered in marks:
+        raw = raw.replace(mark, rendered, 1)
+    return Answer(status, raw)
+
+
+_SPLICE_MARK = f"\x00derender-logprobs-{uuid.uuid4().hex}-"
+"""A placeholder no answer's own text holds: JSON escapes the NUL, and the
+nonce is drawn per process."""
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for one call, as it was after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _unserialisable(exc: ValueError) -> Answer:

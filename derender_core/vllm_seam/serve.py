@@ -511,10 +511,11 @@ class ServeEngine(DerenderEngine):
         self.findings_total = 0
 
     @classmethod
-    def build(cls, config: RenderConfig, *, live: bool = False) -> ServeEngine:
+    def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> ServeEngine:
         """Build `vllm serve`'s stack for the settings, on a scripted engine
-        core, from a local model directory. `live` is accepted for a uniform
-        call and ignored: the serve path has one mode.
+        core, from a local model directory. `live` and `decode` are accepted
+        for a uniform call and ignored: the serve path is vLLM's serving
+        classes themselves, decoding with the engine's own detokenizer.
 
         Raises:
             ConfigError: for a bad setting, or a stack that cannot start.

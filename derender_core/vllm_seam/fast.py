@@ -1,0 +1,586 @@
+"""vLLM's per-token decode and logprob functions, computed exactly in bulk.
+
+vLLM decodes an output one token at a time (``_detokenize_delta`` over
+``detokenize_incrementally``): per token, two list slices, two calls of the
+tokenizer's ``convert_tokens_to_string`` and a round trip through its
+thread-pool queue. Logprobs decode every id of every position afresh
+(``decode_token_ids``) and build seven pydantic models per position. The
+answers are right; the cost is 30 to 400 µs per output token where the work
+is about 1 µs.
+
+`TokenTable` gives the same results with the same tokenizer primitives,
+called in bulk:
+
+- `TokenTable.detokenize_delta` is vLLM's incremental loop, step for step,
+  with the token pieces looked up once per id and the tokenizer's Rust
+  decoder called directly (what ``convert_tokens_to_string`` does for a
+  fast tokenizer). It holds for every fast tokenizer; streams use it.
+- `TokenTable.decode_whole` decodes a complete output with one decoder call
+  and proves on the spot that the answer equals the incremental one, for the
+  decoder kinds where that identity holds (`decoder_kind`; the argument is in
+  ``docs/decoding.md``). It answers None when a guard fails, and the caller
+  runs the incremental loop instead.
+- `TokenTable.logprob_piece` is ``decode_token_ids`` for one id, computed once
+  per id (it decodes each id independently), and `TokenTable.render_logprobs`
+  writes the chat ``logprobs`` JSON the response model would serialise.
+
+A tokenizer these do not cover (Mistral's tekken, slow tokenizers, a class
+that overrides the decode methods) gets no table, and vLLM's own functions run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from vllm.entrypoints.generate.base.serving import decode_token_ids
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponseChoice
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    DerenderStreamState,
+    GenerateTokensResponse,
+)
+from vllm.entrypoints.serve.utils.tool_calls_utils import resolve_finish_reason
+from vllm.renderers.online_derenderer import (
+    OnlineDerenderer,
+    _chat_top_logprobs_limit,
+    _completion_top_logprobs_limit,
+    _convert_chat_logprobs_to_completion_logprobs,
+    _correct_decoded_token,
+    _decode_params,
+    _resolve_logprobs,
+    _seed_stream_state,
+    _stop_strings,
+)
+from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
+from vllm.v1.engine.detokenizer import check_stop_strings
+
+_REPLACEMENT = "\ufffd"
+_json_str = json.JSONEncoder(ensure_ascii=False).encode
+"""A string as the response's ``json.dumps(ensure_ascii=False)`` writes it."""
+
+# The methods the table stands in for, as the class that defines them for a
+# fast tokenizer has them; a subclass overriding one decodes its own way.
+_BYPASSED = ("convert_ids_to_tokens", "convert_tokens_to_string")
+
+
+def decoder_kind(tokenizer: Any) -> str | None:
+    """The decoder family whose whole-sequence decode is proven equal to the
+    incremental one, or None.
+
+    - ``byte-level``: the ByteLevel decoder maps each piece to bytes on its
+      own and decodes the concatenation as lossy UTF-8.
+    - ``sentencepiece``: Metaspace alone, or a Sequence of per-piece Replace
+      steps, ByteFallback, Fuse and a Strip of at most one leading space:
+      per-piece maps, a fold over the joined string, and a change at the
+      first character only.
+    """
+    decoder = tokenizer.backend_tokenizer.decoder
+    if decoder is None:
+        return None
+    state = json.loads(decoder.__getstate__())
+    kind = state.get("type")
+    if kind == "ByteLevel":
+        return "byte-level"
+    if kind == "Metaspace":
+        return "sentencepiece"
+    if kind == "Sequence" and all(_per_piece_or_first_char(step) for step in state.get("decoders", ())):
+        return "sentencepiece"
+    return None
+
+
+def _per_piece_or_first_char(step: dict[str, Any]) -> bool:
+    kind = step.get("type")
+    if kind in ("ByteFallback", "Fuse"):
+        return True
+    if kind == "Replace":
+        # A literal pattern, replaced by something: no piece decodes to "".
+        return "String" in (step.get("pattern") or {}) and bool(step.get("content"))
+    if kind == "Strip":
+        return step.get("content") == " " and step.get("start", 0) <= 1 and step.get("stop", 0) == 0
+    return False
+
+
+def token_table(tokenizer: Any) -> TokenTable | None:
+    """A table for a fast tokenizer that decodes as its base class does."""
+    if not isinstance(tokenizer, TokenizersBackend) or not tokenizer.is_fast:
+        return None
+    cls = type(tokenizer)
+    for name in _BYPASSED:
+        if getattr(cls, name) is not getattr(TokenizersBackend, name):
+            return None
+    return TokenTable(tokenizer)
+
+
+class TokenTable:
+    """What vLLM's per-token functions compute for each id, computed once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = tokenizer.backend_tokenizer
+        decoder = backend.decoder
+        # TokenizersBackend.convert_tokens_to_string, without the call layers.
+        self._decode_pieces = decoder.decode if decoder is not None else " ".join
+        self._id_to_token = backend.id_to_token
+        self.size = len(tokenizer)
+        """``detokenize_incrementally`` decodes an id at or above this as ""."""
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.kind = decoder_kind(tokenizer)
+        self._pieces: dict[int, str] = {}
+        self._logprob_pieces: dict[int, Piece] = {}
+        self._decoding = _Decoding(tokenizer)
+
+    # --- text -----------------------------------------------------------
+
+    def piece(self, token_id: int) -> str:
+        """``convert_ids_to_tokens([id])`` with None as "", for an id in range."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._id_to_token(token_id) or ""
+            self._pieces[token_id] = piece
+        return piece
+
+    def pieces(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[str]:
+        """The pieces ``detokenize_incrementally`` appends for these ids, in
+        one list."""
+        return [piece for step in self._steps(token_ids, skip_special_tokens) for piece in step]
+
+    def detokenize_delta(
+        self,
+        token_ids: Sequence[int],
+        prev_tokens: Sequence[str],
+        prefix_offset: int,
+        read_offset: int,
+        skip_special_tokens: bool,
+    ) -> tuple[str, list[str], int, int]:
+        """``OnlineDerenderer._detokenize_delta`` for a fast tokenizer, step
+        for step: (text, prev_tokens, prefix_offset, read_offset)."""
+        decode = self._decode_pieces
+        prev = list(prev_tokens)
+        parts: list[str] = []
+        for new_tokens in self._steps(token_ids, skip_special_tokens):
+            output_token_count = len(prev) + len(new_tokens)
+            window_start = min(prefix_offset, read_offset, len(prev))
+            output_tokens = (prev[window_start:] if window_start else prev) + new_tokens
+            prefix_text = decode(output_tokens[prefix_offset - window_start : read_offset - window_start])
+            new_text = decode(output_tokens[prefix_offset - window_start :])
+            if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+                text = ""
+            else:
+                text = new_text[len(prefix_text) :]
+                prefix_offset, read_offset = read_offset, output_token_count
+            prev = (prev + new_tokens)[prefix_offset:]
+            read_offset -= prefix_offset
+            prefix_offset = 0
+            parts.append(text)
+        return "".join(parts), prev, prefix_offset, read_offset
+
+    def _steps(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[list[str]]:
+        """Per id, the pieces one ``detokenize_incrementally`` step appends:
+        none for a skipped special token, "" for an id out of range."""
+        size, piece = self.size, self.piece
+        special = self.special_ids if skip_special_tokens else frozenset()
+        return [([] if t in special else [piece(t)]) if 0 <= t < size else [""] for t in token_ids]
+
+    def decode_whole(
+        self,
+        token_ids: Sequence[int],
+        prev_tokens: Sequence[str],
+        prefix_offset: int,
+        read_offset: int,
+        skip_special_tokens: bool,
+    ) -> str | None:
+        """The text `detokenize_delta` gives for a seed state and these ids,
+        from one decode of the seed window and the output, or None where the
+        identity is not proven for this input.
+
+        The guards (``docs/decoding.md``): a proven decoder kind; a seed
+        window that is the whole readable tail; no empty piece (an empty
+        first piece would let a leading Strip reach past it); no U+FFFD in
+        the decoded window (every hold-back ends, nothing is cut at the end);
+        and the seed's own text a prefix of the window's.
+        """
+        if self.kind is None or not 0 <= prefix_offset <= read_offset == len(prev_tokens):
+            return None
+        seed = list(prev_tokens[prefix_offset:])
+        pieces = seed + self.pieces(token_ids, skip_special_tokens)
+        if "" in pieces:
+            return None
+        whole = self._decode_pieces(pieces)
+        if _REPLACEMENT in whole:
+            return None
+        head = self._decode_pieces(seed) if seed else ""
+        if not whole.startswith(head):
+            return None
+        return whole[len(head) :]
+
+    # --- logprobs ---------------------------------------------------------
+
+    def logprob_piece(self, token_id: int) -> Piece:
+        """``decode_token_ids([id])``, computed once per id: each id decodes
+        on its own there, so a batch is the concatenation of its ids'."""
+        known = self._logprob_pieces.get(token_id)
+        if known is None:
+            ((token, token_bytes),) = decode_token_ids([token_id], self.tokenizer)
+            known = Piece(token, token_bytes)
+            self._logprob_pieces[token_id] = known
+        return known
+
+    def resolve_logprobs(
+        self, logprobs: Any, initial_context_token_ids: Sequence[int], top_limit: int | None
+    ) -> list[Position] | None:
+        """``_resolve_logprobs``' content, as `Position`s; None for no
+        content. A piece ending in U+FFFD is corrected by vLLM's own
+        ``_correct_decoded_token`` with the same context (the sampled ids
+        before the position)."""
+        content = logprobs.content
+        if content is None:
+            return None
+        context = list(initial_context_token_ids)
+        known, resolved = self._logprob_pieces.get, []
+        for entry in content:
+            tops = entry.top_logprobs if top_limit is None else entry.top_logprobs[:top_limit]
+            kept = []
+            for top in tops:
+                piece = known(top.token_id) or self.logprob_piece(top.token_id)
+                if piece.needs_correction:
+                    piece = self._corrected(top.token_id, context)
+                kept.append((piece, top.logprob))
+            piece = known(entry.token_id) or self.logprob_piece(entry.token_id)
+            if piece.needs_correction:
+                piece = self._corrected(entry.token_id, context)
+            resolved.append(Position(piece, entry.logprob, kept, bool(entry.top_logprobs)))
+            context.append(entry.token_id)
+        return resolved
+
+    def _corrected(self, token_id: int, context: list[int]) -> Piece:
+        token = _correct_decoded_token(token_id, context, self._decoding)
+        return Piece(token, list(token.encode("utf-8")))
+
+
+class _Decoding:
+    """``tokenizer.decode`` of short id lists, for vLLM's byte-fallback
+    correction (``_correct_decoded_token`` calls nothing else): remembered
+    per list, and, where transformers' ``decode`` comes down to the Rust
+    tokenizer's alone (no clean-up, no override), that call without the
+    Python layers around it."""
+
+    KEPT = 1 << 16
+
+    def __init__(self, tokenizer: Any) -> None:
+        cls = type(tokenizer)
+        plain = (
+            cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces
+        )
+        backend_decode = tokenizer.backend_tokenizer.decode
+        self._decode: Any = (lambda ids: backend_decode(ids, skip_special_tokens=False)) if plain else tokenizer.decode
+        self._known: dict[tuple[int, ...], str] = {}
+
+    def decode(self, token_ids: list[int]) -> str:
+        key = tuple(token_ids)
+        text = self._known.get(key)
+        if text is None:
+            if len(self._known) >= self.KEPT:
+                self._known.clear()
+            text = self._known[key] = self._decode(token_ids)
+        return text
+
+
+class Piece:
+    """One id's ``token`` and ``bytes`` for logprobs, and their JSON."""
+
+    __slots__ = ("token", "needs_correction", "token_json", "fields_before", "fields_after")
+
+    def __init__(self, token: str, token_bytes: list[int] | None) -> None:
+        self.token = token
+        self.needs_correction = token.endswith(_REPLACEMENT)
+        self.token_json = _json_str(token)
+        # ChatCompletionLogProb's fields in order, around the logprob.
+        self.fields_before = '{"token":' + self.token_json + ',"logprob":'
+        rendered_bytes = "null" if token_bytes is None else "[" + ",".join(map(str, token_bytes)) + "]"
+        self.fields_after = ',"bytes":' + rendered_bytes
+
+
+class Position(NamedTuple):
+    """One resolved logprobs position."""
+
+    piece: Piece
+    logprob: float
+    tops: list[tuple[Piece, float]]
+    had_candidates: bool
+    """Whether generate listed candidates here (before the endpoint's cut)."""
+
+    def finite(self) -> bool:
+        """Every logprob finite. A sum is finite only if its terms are; one
+        that overflows only sends the answer down vLLM's path, which is exact."""
+        return math.isfinite(self.logprob + sum(logprob for _, logprob in self.tops))
+
+
+def render_chat_logprobs(resolved: list[Position] | None) -> str | None:
+    """``ChatCompletionLogProbs``' JSON as the response's ``json.dumps``
+    writes it (a float as its repr); None if a logprob is not finite: the
+    response then cannot be serialised, and vLLM's path words that error."""
+    if resolved is None:
+        return '{"content":null}'
+    out = []
+    for piece, logprob, tops, _ in resolved:
+        if not math.isfinite(logprob + sum(lp for _, lp in tops)):
+            return None
+        out.append(
+            piece.fields_before + repr(logprob) + piece.fields_after + ',"top_logprobs":['
+            + ",".join([p.fields_before + repr(lp) + p.fields_after + "}" for p, lp in tops])
+            + "]}"
+        )
+    return '{"content":[' + ",".join(out) + "]}"
+
+
+def render_completion_logprobs(resolved: list[Position] | None, text_offset: int = 0) -> str | None:
+    """``_convert_chat_logprobs_to_completion_logprobs``' result as JSON:
+    parallel lists, a position without candidates as null, candidates as an
+    object keyed by token (a repeated token keeps its first place and its
+    last logprob, as a dict does)."""
+    if resolved is None:
+        return '{"text_offset":[],"token_logprobs":[],"tokens":[],"top_logprobs":[]}'
+    offsets, logprobs, tokens, tops = [], [], [], []
+    for position in resolved:
+        if not position.finite():
+            return None
+        offsets.append(str(text_offset))
+        text_offset += len(position.piece.token)
+        logprobs.append(repr(position.logprob))
+        tokens.append(position.piece.token_json)
+        if position.had_candidates:
+            candidates = {p.token: (p.token_json, lp) for p, lp in position.tops}
+            tops.append("{" + ",".join(f"{key}:{lp!r}" for key, lp in candidates.values()) + "}")
+        else:
+            tops.append("null")
+    return (
+        '{"text_offset":[' + ",".join(offsets) + '],"token_logprobs":[' + ",".join(logprobs)
+        + '],"tokens":[' + ",".join(tokens) + '],"top_logprobs":[' + ",".join(tops) + "]}"
+    )
+
+
+def single_thread_view(tokenizer: Any) -> Any:
+    """The tokenizer without vLLM's thread-pool wrapper.
+
+    vLLM routes every call of a fast tokenizer through a queue of deep
+    copies (``maybe_make_thread_pool``) so that its executor threads can
+    decode at once; that queue round trip is half of a per-token decode.
+    derender decodes on one thread, so this view calls the same tokenizer
+    class's own methods on the same state: every result is the same.
+    """
+    if not isinstance(tokenizer, ThreadSafeHFTokenizerMixin):
+        return tokenizer
+    unwrapped = type(tokenizer).__mro__[1]  # TokenizerPool(<the tokenizer's class>, mixin)
+    view = object.__new__(unwrapped)
+    view.__dict__.update(tokenizer.__dict__)
+    return view
+
+
+class FastDerenderer(OnlineDerenderer):
+    """``OnlineDerenderer`` whose decode and logprobs run through a
+    `TokenTable` while `decode_mode` is "fast", and as vLLM's own code,
+    bug for bug, while it is "reference".
+
+    One-shot logprobs are not built as pydantic models: `spliced` holds, per
+    choice of the current call, the JSON the models would serialise to, and
+    the endpoint writes it into the response (`render.DerenderEngine`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.decode_mode = "fast"
+        self.tokenizer = single_thread_view(self.renderer.get_tokenizer())
+        self.table = token_table(self.tokenizer)
+        self.spliced: list[str | None] = []
+
+    @property
+    def fast(self) -> bool:
+        return self.table is not None and self.decode_mode == "fast"
+
+    def _detokenize_delta(
+        self,
+        tokenizer: Any,
+        delta_token_ids: list[int],
+        state: DerenderStreamState,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> tuple[str, DerenderStreamState]:
+        if self.table is None or not self.fast:
+            return super()._detokenize_delta(
+                tokenizer, delta_token_ids, state, skip_special_tokens, spaces_between_special_tokens
+            )
+        # spaces_between_special_tokens only matters to slow tokenizers.
+        text, prev_tokens, prefix_offset, read_offset = self.table.detokenize_delta(
+            delta_token_ids, state.prev_tokens, state.prefix_offset, state.read_offset, skip_special_tokens
+        )
+        return text, state.model_copy(
+            update={"prev_tokens": prev_tokens, "prefix_offset": prefix_offset, "read_offset": read_offset}
+        )
+
+    def _decode_output(
+        self,
+        tokenizer: Any,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        request: ChatCompletionRequest | CompletionRequest | None,
+        seed_state: DerenderStreamState,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+    ) -> tuple[str, int | str | None]:
+        """vLLM's ``_decode_output`` with the text from one whole decode
+        where `TokenTable.decode_whole` proves it equal."""
+        table = self.table
+        if table is None or not self.fast:
+            return super()._decode_output(
+                tokenizer, token_ids, finish_reason, stop_reason, request, seed_state,
+                skip_special_tokens, spaces_between_special_tokens,
+            )  # fmt: skip
+        ids, dropped_reason = self._drop_stop_token(token_ids, finish_reason, stop_reason, request)
+        min_tokens = request.min_tokens if request is not None else 0
+        seed = (seed_state.prev_tokens, seed_state.prefix_offset, seed_state.read_offset)
+        text = table.decode_whole(ids, *seed, skip_special_tokens)
+        head = table.decode_whole(ids[:min_tokens], *seed, skip_special_tokens) if min_tokens else ""
+        if text is None or head is None or not text.startswith(head):
+            # Not proven for this input: the incremental loop (the same
+            # steps as vLLM's, through _detokenize_delta) decides.
+            return super()._decode_output(
+                tokenizer, token_ids, finish_reason, stop_reason, request, seed_state,
+                skip_special_tokens, spaces_between_special_tokens,
+            )  # fmt: skip
+        if finish_reason != "stop" or isinstance(stop_reason, int):
+            stop_strings: list[str] = []
+        elif isinstance(stop_reason, str):
+            stop_strings = [stop_reason]
+        else:
+            stop_strings = _stop_strings(request)
+        include_stop = request is not None and request.include_stop_str_in_output
+        match = check_stop_strings(text, len(text) - len(head), stop_strings, include_stop)
+        if match is None:
+            return text, dropped_reason
+        matched, truncate_to = match
+        return (text if truncate_to == -1 else text[:truncate_to]), matched
+
+    def _derender_chat(
+        self,
+        generate_response: GenerateTokensResponse,
+        chat_request: ChatCompletionRequest | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[ChatCompletionResponseChoice]:
+        """vLLM's ``_derender_chat``, line for line, with the table's
+        logprobs written as JSON (`spliced`) instead of models."""
+        self.spliced = []
+        if self.table is None or not self.fast:
+            return super()._derender_chat(generate_response, chat_request, prompt_token_ids)
+        tokenizer = self.tokenizer
+        choices: list[ChatCompletionResponseChoice] = []
+        has_parser = self.parser is not None and chat_request is not None
+        skip_special, spaces_between = _decode_params(tokenizer, chat_request, preserve_special=has_parser)
+        seed_ids = prompt_token_ids if prompt_token_ids is not None else generate_response.prompt_token_ids
+        seed_state = _seed_stream_state(tokenizer, seed_ids, skip_special_tokens=skip_special)
+        chat_template_kwargs = (
+            self._resolve_chat_template_kwargs(chat_request) if has_parser and chat_request is not None else {}
+        )
+        hide_metadata = has_parser and chat_request is not None and not chat_request.include_reasoning
+        return_token_ids = chat_request is not None and chat_request.return_token_ids and not hide_metadata
+        top_limit = _chat_top_logprobs_limit(chat_request)
+
+        for choice in generate_response.choices:
+            if not choice.token_ids:
+                raise ValueError(f"choice {choice.index} has empty or null token_ids")
+            resolved_logprobs, spliced = None, None
+            if choice.logprobs is not None and not hide_metadata:
+                spliced = render_chat_logprobs(self.table.resolve_logprobs(choice.logprobs, (), top_limit))
+                if spliced is None:  # not serialisable: vLLM's models fail as they do
+                    resolved_logprobs = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit)
+            decoded_text, stop_reason = self._decode_output(
+                tokenizer, choice.token_ids, choice.finish_reason, choice.stop_reason, chat_request,
+                seed_state, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between,
+            )  # fmt: skip
+            if has_parser:
+                assert chat_request is not None
+                message = self._parse_and_assemble(
+                    tokenizer, decoded_text, choice.token_ids, chat_request, chat_template_kwargs,
+                    generate_response.prompt_token_ids,
+                )  # fmt: skip
+            else:
+                message = ChatMessage(role="assistant", content=decoded_text)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=choice.index,
+                    message=message,
+                    logprobs=resolved_logprobs,
+                    finish_reason=resolve_finish_reason(choice.finish_reason, chat_request, bool(message.tool_calls)),
+                    stop_reason=stop_reason,
+                    token_ids=choice.token_ids if return_token_ids else None,
+                )
+            )
+            self.spliced.append(spliced)
+        return choices
+
+    def _derender_completion(
+        self,
+        generate_responses: list[GenerateTokensResponse],
+        prompt_tokens: list[int] | None = None,
+        completion_request: CompletionRequest | None = None,
+        prompt_token_ids: list[list[int] | None] | None = None,
+    ) -> tuple[list[CompletionResponseChoice], int, int]:
+        """vLLM's ``_derender_completion``, line for line, with the table's
+        logprobs written as JSON (`spliced`)."""
+        self.spliced = []
+        if self.table is None or not self.fast:
+            return super()._derender_completion(generate_responses, prompt_tokens, completion_request, prompt_token_ids)
+        n = len(generate_responses)
+        prompt_tokens_list = prompt_tokens if prompt_tokens is not None else [0] * n
+        prompt_token_ids_list = prompt_token_ids if prompt_token_ids is not None else [None] * n
+        tokenizer = self.tokenizer
+        skip_special, spaces_between = _decode_params(tokenizer, completion_request)
+        choices: list[CompletionResponseChoice] = []
+        total_prompt_tokens = total_completion_tokens = index = 0
+        top_limit = _completion_top_logprobs_limit(completion_request)
+        return_token_ids = completion_request is not None and completion_request.return_token_ids
+        for gen, pt, seed_ids_override in zip(generate_responses, prompt_tokens_list, prompt_token_ids_list):
+            seed_ids = seed_ids_override if seed_ids_override is not None else gen.prompt_token_ids
+            seed_state = _seed_stream_state(tokenizer, seed_ids, skip_special_tokens=skip_special)
+            for choice in gen.choices:
+                if not choice.token_ids:
+                    raise ValueError(
+                        f"choice {choice.index} in response {gen.request_id} has empty or null token_ids"
+                    )
+                decoded_text, stop_reason = self._decode_output(
+                    tokenizer, choice.token_ids, choice.finish_reason, choice.stop_reason, completion_request,
+                    seed_state, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between,
+                )  # fmt: skip
+                completion_logprobs, spliced = None, None
+                if choice.logprobs is not None:
+                    spliced = render_completion_logprobs(self.table.resolve_logprobs(choice.logprobs, (), top_limit))
+                    if spliced is None:
+                        resolved = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit)
+                        completion_logprobs = _convert_chat_logprobs_to_completion_logprobs(resolved, choice.logprobs)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=index,
+                        text=decoded_text,
+                        finish_reason=choice.finish_reason,
+                        stop_reason=stop_reason,
+                        logprobs=completion_logprobs,
+                        prompt_token_ids=gen.prompt_token_ids if return_token_ids else None,
+                        token_ids=choice.token_ids if return_token_ids else None,
+                    )
+                )
+                self.spliced.append(spliced)
+                total_completion_tokens += len(choice.token_ids)
+                index += 1
+            total_prompt_tokens += pt
+        return choices, total_prompt_tokens, total_completion_tokens

@@ -1,0 +1,253 @@
+"""Differential checks of the fast decode against vLLM's own functions.
+
+Each check takes an engine (any family's) and hypothesis' ``data``, draws an
+input from the family's real tokenizer, and compares derender's fast path
+(`derender_core.vllm_seam.fast`) with vLLM's per-token path on the same
+derenderer switched to ``decode_mode = "reference"`` (every override then
+hands over to ``OnlineDerenderer``'s own code):
+
+- `check_decode_output`: ``_decode_output`` (stop-token drop, ``min_tokens``,
+  stop strings in and across tokens, with and without
+  ``include_stop_str_in_output``, the seed window from 0 to 10 prompt ids,
+  both ``skip_special_tokens`` settings, a character cut at the end,
+  out-of-vocabulary ids);
+- `check_detokenize_delta`: ``_detokenize_delta`` over any chunking, text and
+  every state (prev_tokens, offsets);
+- `check_logprobs`: ``_resolve_logprobs`` as chat and as completion
+  logprobs, byte-fallback pieces and their correction included, against the
+  models' own JSON.
+
+Engine-level checks (the assembled response, live chunks and states) run on
+whole bodies in the family tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+from hypothesis import strategies as st
+
+# Text a model writes: ASCII, code indentation, CJK, emoji and math letters
+# spelled in several byte-level pieces, accents, SentencePiece's spaces.
+SAMPLE_TEXT = (
+    "Hello world!  def f(x):\n    return x**2\n\tTabs and  double  spaces. "
+    "北京多云，气温 12°C。 Weather: 🌦️ 🌪 ☂ — 𝟏𝟐 ünïcödé café naïve "
+    "<think>not a tag</think> {\"city\": \"Paris\"} 1,234.5 e=mc² ½ ¾ "
+)
+
+
+@contextlib.contextmanager
+def decoding(derenderer: Any, mode: str) -> Iterator[None]:
+    before = derenderer.decode_mode
+    derenderer.decode_mode = mode
+    try:
+        yield
+    finally:
+        derenderer.decode_mode = before
+
+
+@cache
+def _pools(derenderer: Any) -> dict[str, list[int]]:
+    """Id pools for one tokenizer: ordinary pieces, special and added ones,
+    byte pieces (alone, a byte-level or byte-fallback piece is part of a
+    character), the prefix of a character spelled in several pieces, and ids
+    out of the vocabulary."""
+    tokenizer = derenderer.tokenizer
+    size = len(tokenizer)
+    ordinary = list(dict.fromkeys(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)))
+    special = sorted(set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values()))
+    special = [i for i in special if 0 <= i < size]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_pieces: list[int] = []
+    if backend is not None:
+        for byte in range(0x80, 0x100):
+            for piece in (_BYTE_LEVEL[byte], f"<0x{byte:02X}>"):
+                token_id = backend.token_to_id(piece)
+                if token_id is not None:
+                    byte_pieces.append(token_id)
+    cut: list[int] = []
+    for char in "🌦𝟏北ü":
+        ids = tokenizer.encode(char, add_special_tokens=False)
+        if len(ids) > 1:
+            cut.append(ids[0])
+    out_of_vocabulary = [size, size + 1, size + 1000, -1]
+    return {
+        "ordinary": ordinary,
+        "special": special or ordinary,
+        "byte": byte_pieces or ordinary,
+        "cut": cut or ordinary,
+        "oov": out_of_vocabulary,
+    }
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the piece that spells one byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+_BYTE_LEVEL = _bytes_to_unicode()
+
+
+def token_ids(data: Any, derenderer: Any, *, oov: bool = True, max_size: int = 40) -> list[int]:
+    pools = _pools(derenderer)
+    kinds = ["ordinary", "ordinary", "ordinary", "special", "byte", "cut"] + (["oov"] if oov else [])
+    element = st.sampled_from(kinds).flatmap(lambda kind: st.sampled_from(pools[kind]))
+    ids = data.draw(st.lists(element, max_size=max_size), label="token_ids")
+    if data.draw(st.booleans(), label="end mid-character"):
+        ids.append(data.draw(st.sampled_from(pools["cut"] + pools["byte"])))
+    return ids
+
+
+def prompt_ids(data: Any, derenderer: Any) -> list[int] | None:
+    ordinary = _pools(derenderer)["ordinary"] + _pools(derenderer)["special"]
+    return data.draw(
+        st.none() | st.lists(st.sampled_from(ordinary), max_size=10) | st.lists(st.sampled_from(_pools(derenderer)["byte"]), max_size=3),
+        label="prompt_token_ids",
+    )
+
+
+def _request(endpoint_kind: str, fields: dict[str, Any]) -> Any:
+    if endpoint_kind == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields})
+
+
+def check_decode_output(engine: Any, data: Any) -> None:
+    """``_decode_output``: the fast text and stop_reason are vLLM's."""
+    from vllm.renderers.online_derenderer import _decode_params, _seed_stream_state
+
+    derenderer = engine._serving.online_derenderer
+    tokenizer = derenderer.tokenizer
+    ids = token_ids(data, derenderer)
+    eos = derenderer._eos_token_id
+    if eos is not None and data.draw(st.booleans(), label="ends in EOS"):
+        ids.append(eos)
+    if not ids:
+        ids = [_pools(derenderer)["ordinary"][0]]
+    with decoding(derenderer, "reference"):
+        plain_text, _ = derenderer._decode_output(
+            tokenizer, ids, None, None, None, _seed_stream_state(tokenizer, None, True), True, True
+        )
+    # Stop strings from the text itself: within a piece and across pieces.
+    stops: list[str] = []
+    if plain_text and data.draw(st.booleans(), label="stop strings"):
+        for _ in range(data.draw(st.integers(1, 2))):
+            start = data.draw(st.integers(0, len(plain_text) - 1))
+            stops.append(plain_text[start : start + data.draw(st.integers(1, 6))])
+    fields: dict[str, Any] = {
+        "min_tokens": data.draw(st.integers(0, len(ids) + 1), label="min_tokens"),
+        "include_stop_str_in_output": data.draw(st.booleans()),
+        "skip_special_tokens": data.draw(st.booleans()),
+        "spaces_between_special_tokens": data.draw(st.booleans()),
+        "ignore_eos": data.draw(st.booleans()),
+    }
+    if stops:
+        fields["stop"] = stops
+    if data.draw(st.booleans()):
+        fields["stop_token_ids"] = data.draw(st.lists(st.sampled_from(ids), max_size=2))
+    endpoint_kind = data.draw(st.sampled_from(["chat", "completion"]))
+    request = data.draw(st.sampled_from([_request(endpoint_kind, fields), None]), label="request")
+    preserve = data.draw(st.booleans(), label="a parser keeps special tokens")
+    finish = data.draw(st.sampled_from(["stop", "length", None]))
+    stop_reason = data.draw(st.sampled_from([None, None, ids[-1], stops[0] if stops else "zz"]))
+    skip, spaces = _decode_params(tokenizer, request, preserve_special=preserve)
+    prompt = prompt_ids(data, derenderer)
+    seed = _seed_stream_state(tokenizer, prompt, skip_special_tokens=skip)
+    args: tuple[Any, ...] = (tokenizer, ids, finish, stop_reason, request, seed, skip, spaces)
+    with decoding(derenderer, "reference"):
+        expected = outcome(lambda: derenderer._decode_output(*args))
+    with decoding(derenderer, "fast"):
+        got = outcome(lambda: derenderer._decode_output(*args))
+    assert got == expected, (ids, prompt, fields, finish, stop_reason)
+
+
+def check_detokenize_delta(engine: Any, data: Any) -> None:
+    """``_detokenize_delta`` over a drawn chunking: every text and state."""
+    from vllm.renderers.online_derenderer import _seed_stream_state
+
+    derenderer = engine._serving.online_derenderer
+    tokenizer = derenderer.tokenizer
+    ids = token_ids(data, derenderer)
+    skip = data.draw(st.booleans(), label="skip_special_tokens")
+    prompt = prompt_ids(data, derenderer)
+    states = {mode: _seed_stream_state(tokenizer, prompt, skip_special_tokens=skip) for mode in ("fast", "reference")}
+    start = 0
+    while start < len(ids) or start == 0:
+        size = data.draw(st.integers(1, 4), label="chunk")
+        chunk = ids[start : start + size]
+        start += size
+        answers = {}
+        for mode in ("fast", "reference"):
+            with decoding(derenderer, mode):
+                answers[mode] = derenderer._detokenize_delta(tokenizer, chunk, states[mode], skip, True)
+            states[mode] = answers[mode][1]
+        assert answers["fast"][0] == answers["reference"][0], (ids, prompt, start)
+        assert states["fast"].model_dump() == states["reference"].model_dump(), (ids, prompt, start)
+        if start >= len(ids):
+            break
+
+
+def check_logprobs(engine: Any, data: Any) -> None:
+    """Chat and completion logprobs: the fast JSON is the models' JSON."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+    from vllm.renderers.online_derenderer import (
+        _convert_chat_logprobs_to_completion_logprobs,
+        _resolve_logprobs,
+    )
+
+    from derender_core.vllm_seam.fast import render_chat_logprobs, render_completion_logprobs
+
+    derenderer = engine._serving.online_derenderer
+    table = derenderer.table
+    ids = token_ids(data, derenderer, max_size=12) or [_pools(derenderer)["ordinary"][0]]
+    pools = _pools(derenderer)
+    candidates = st.sampled_from(pools["ordinary"] + pools["byte"] + pools["cut"] + pools["special"] + pools["oov"][:2])
+    logprob = st.floats(-30, 0, allow_nan=False) | st.sampled_from([0.0, -0.0, -1e-5, -9999.0, -1, -2.5e-7])
+    content = []
+    for token_id in ids:
+        top = data.draw(st.lists(st.tuples(candidates, logprob), max_size=5), label="top")
+        sampled = {"token_id": token_id, "logprob": data.draw(logprob)}
+        content.append({**sampled, "top_logprobs": ([sampled] if top else []) + [{"token_id": t, "logprob": lp} for t, lp in top]})
+    logprobs = GenerateLogProbs.model_validate({"content": content})
+    context = data.draw(st.lists(st.sampled_from(pools["byte"] + pools["ordinary"]), max_size=4), label="context")
+    top_limit = data.draw(st.sampled_from([None, 0, 1, 3, 5]))
+    def reference() -> tuple[str, str]:
+        resolved = _resolve_logprobs(logprobs, derenderer.tokenizer, initial_context_token_ids=context, top_limit=top_limit)
+        completion = _convert_chat_logprobs_to_completion_logprobs(resolved, logprobs)
+        return _dumps(resolved.model_dump()), _dumps(completion.model_dump())
+
+    def fast() -> tuple[str | None, str | None]:
+        resolved = table.resolve_logprobs(logprobs, context, top_limit)
+        return render_chat_logprobs(resolved), render_completion_logprobs(resolved)
+
+    # An id vLLM cannot decode (a negative one) fails the same way in both.
+    assert outcome(fast) == outcome(reference), (ids, context, top_limit)
+
+
+def outcome(call: Any) -> tuple[str, Any]:
+    """A call's result, or the type of what it raised."""
+    try:
+        return "returned", call()
+    except Exception as exc:  # noqa: BLE001 - the comparison is the point
+        return "raised", type(exc)
+
+
+def _dumps(content: Any) -> str:
+    """As the endpoints' ``JSONResponse`` serialises."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
