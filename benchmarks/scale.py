@@ -122,7 +122,7 @@ def main() -> None:
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(pipeline_seconds, engine, lines)
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
     with WorkerPool(engine, 2) as pool:
         pipeline_seconds(engine, lines[:300], pool)  # warm-up
         two = pipeline_seconds(engine, lines, pool)

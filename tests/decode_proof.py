@@ -251,3 +251,35 @@ def outcome(call: Any) -> tuple[str, Any]:
 def _dumps(content: Any) -> str:
     """As the endpoints' ``JSONResponse`` serialises."""
     return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def check_live_chunks(engine: Any, plans: list[Any], data: Any) -> None:
+    """A corpus stream cut at drawn chunk sizes, with or without logprobs:
+    every live call (fast decode) equals replay on vLLM's own decode, chunk
+    and state."""
+    import dataclasses
+
+    import orjson
+
+    from derender_core import Endpoint, Job
+    from tests.helpers import jsonl_answers, normalize
+    from tests.sample_inputs import chunks_of, stream_body
+
+    plan = data.draw(st.sampled_from(plans), label="plan")
+    sizes = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4), label="chunk sizes")
+    ids = [t for chunk in plan.choices[0] for t in chunk]
+    plan = dataclasses.replace(
+        plan,
+        choices=[chunks_of(ids, sizes)],
+        finish_only_tail=data.draw(st.booleans(), label="finish on a chunk of its own"),
+        logprobs=data.draw(st.booleans(), label="logprobs"),
+    )
+    from tests.sample_inputs import generate_chunks
+
+    model = engine._serving.models.model_name()
+    lines = [orjson.dumps(stream_body(plan, chunk, model)) for chunk in generate_chunks(plan)]
+    job = Job(Endpoint.CHAT, stream=True)
+    live, _ = jsonl_answers(engine.in_mode(live=True, decode="fast"), job, lines)
+    replay, _ = jsonl_answers(engine.in_mode(live=False, decode="reference"), job, lines)
+    for number, (got, expected) in enumerate(zip(live, replay, strict=True), 1):
+        assert normalize(got) == normalize(expected), (plan.request_id, sizes, number)

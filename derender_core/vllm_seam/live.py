@@ -125,6 +125,10 @@ class _LiveStream:
         self.detok = _seed_stream_state(
             self.tokenizer, prompt_token_ids, skip_special_tokens=self.skip_special
         )
+        # With the fast decode, the window is kept as it is, not as a state
+        # model rebuilt per chunk (`_decode`).
+        self.table = derenderer.table if derenderer.fast else None
+        self.window = (list(self.detok.prev_tokens), self.detok.prefix_offset, self.detok.read_offset)
         # The history, replayed as vLLM replays it: one step per chunk,
         # none finished, text decoded with special tokens kept.
         start = 0
@@ -160,6 +164,10 @@ class _LiveStream:
         )
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.table is not None:
+            text, *window = self.table.detokenize_delta(token_ids, *self.window, self.skip_special)
+            self.window = tuple(window)  # type: ignore[assignment]
+            return text
         text, self.detok = self.derenderer._detokenize_delta(
             self.tokenizer,
             token_ids,
