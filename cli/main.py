@@ -133,8 +133,11 @@ _RENDER_OPTIONS: dict[str, Any] = {
     **{
         name: _render_flag(name, kind, metavar, help_text)
         for name, kind, metavar, help_text in (
-            ("model", str, "DIR", "Local model directory (tokenizer, config.json, generation_config.json)."),
-            ("tokenizer", str, "DIR", "Tokenizer directory, if not the model's."),
+            ("model", str, "DIR|ID", "Local model directory (tokenizer, config.json, generation_config.json), "
+             "or a Hub id found in the local Hugging Face cache (never downloaded)."),
+            ("tokenizer", str, "DIR|ID", "Tokenizer directory or cached Hub id, if not the model's."),
+            ("revision", str, "REV", "The Hub id's revision (branch, tag or commit) in the cache."),
+            ("tokenizer_revision", str, "REV", "The tokenizer Hub id's revision, if not --revision."),
             ("served_model_name", list[str], "NAME", "Model name requests may use; repeat for several. Default: --model."),
             ("tokenizer_mode", str, "MODE", "auto, hf, mistral, ... as vLLM registers them."),
             ("trust_remote_code", bool, "", "Trust code in the model directory."),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,8 @@ class RenderConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
     served_model_name: tuple[str, ...] = ()
     tokenizer_mode: str | None = None
     trust_remote_code: bool = False
@@ -93,18 +97,25 @@ class RenderConfig:
         }
 
     def check_paths(self) -> None:
-        """Fail early on local paths that do not exist: the Hub is never
-        contacted, so a model or tokenizer must be a local directory."""
+        """Fail early on a model or tokenizer that is neither a local
+        directory nor a Hub id in the local Hugging Face cache: the Hub is
+        never contacted."""
         if not self.model:
             raise ConfigError("no model given: pass --model DIR or set `model` in --config")
-        for flag, value in (("--model", self.model), ("--tokenizer", self.tokenizer)):
-            if value is not None and not Path(value).is_dir():
-                raise ConfigError(
-                    f"{flag} {value}: no such directory. The model must be a local "
-                    "directory holding the tokenizer, config.json and "
-                    "generation_config.json (relative paths are resolved against "
-                    "the current directory)."
-                )
+        self.local_dirs()
+
+    def local_dirs(self) -> dict[str, Path]:
+        """The local directory of each given role (``model``, ``tokenizer``):
+        the directory itself, or a Hub id's snapshot in the local cache, as
+        `vllm serve` resolves it offline (the revision's snapshot)."""
+        dirs = {}
+        for role, value, revision in (
+            ("model", self.model, self.revision),
+            ("tokenizer", self.tokenizer, self.tokenizer_revision or self.revision),
+        ):
+            if value is not None:
+                dirs[role] = _local_dir(f"--{role}", value, revision)
+        return dirs
 
     def to_vllm_argv(self) -> list[str]:
         """The same settings as `vllm launch render` command-line arguments."""
@@ -120,6 +131,37 @@ class RenderConfig:
             else:
                 argv += [flag, str(value)]
         return argv
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+"""``owner/name``, as Hub repository ids are spelled."""
+
+
+def _local_dir(flag: str, value: str, revision: str | None) -> Path:
+    if Path(value).is_dir():
+        return Path(value)
+    if not _HUB_ID.fullmatch(value) or ".." in value:
+        raise ConfigError(
+            f"{flag} {value}: no such directory. The model must be a local directory "
+            "holding the tokenizer, config.json and generation_config.json (relative "
+            "paths are resolved against the current directory), or a Hub id (owner/name) "
+            "in the local Hugging Face cache."
+        )
+    # derender is offline: huggingface_hub reads this once, at import.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=value, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        at = f" at revision {revision}" if revision else ""
+        fetch = f"huggingface-cli download {value}" + (f" --revision {revision}" if revision else "")
+        raise ConfigError(
+            f"{flag} {value}: no such directory, and the Hub id {value}{at} is not in the local "
+            f"Hugging Face cache ({constants.HF_HUB_CACHE}); derender never downloads. "
+            f"Fetch it first with `{fetch}` (or set HF_HOME / HF_HUB_CACHE to the cache that has it)."
+        ) from None
 
 
 def _checked_settings(values: Mapping[str, Any], origin: str) -> dict[str, Any]:

@@ -115,11 +115,12 @@ class ModelBundle:
     def of(cls, config: RenderConfig) -> ModelBundle:
         """Pack `config`'s model and tokenizer directories, weights left out."""
         config.check_paths()
-        roles = tuple(role for role in ("model", "tokenizer") if getattr(config, role))
+        dirs = config.local_dirs()  # a Hub id: its snapshot in the local cache
+        roles = tuple(dirs)
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             for index, role in enumerate(roles):
-                directory = Path(getattr(config, role))
+                directory = dirs[role]
                 for path in sorted(directory.rglob("*")):
                     if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
                         info = archive.gettarinfo(str(path), arcname=f"{index}/{path.relative_to(directory)}")
@@ -140,8 +141,15 @@ class ModelBundle:
                 os.rename(staging, target)  # atomic: another actor may win the race
             except OSError:
                 pass
+        # The model is served under the name it was given, a Hub id included,
+        # as `vllm serve --model ID` serves it; the copy has no revisions.
+        names = config.served_model_name or ((config.model,) if config.model else ())
         return dataclasses.replace(
-            config, **{role: str(target / str(index)) for index, role in enumerate(self.roles)}
+            config,
+            served_model_name=names,
+            revision=None,
+            tokenizer_revision=None,
+            **{role: str(target / str(index)) for index, role in enumerate(self.roles)},
         )
 
 

@@ -293,13 +293,38 @@ def slow_pipe(data: bytes, pause: float = 0.3) -> Iterator[str]:
         os.close(read_end)
 
 
-def run_cli(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:
-    """Run the installed `derender` command as a user would."""
+def run_cli(
+    *args: str, stdin: bytes | None = None, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """Run the installed `derender` command as a user would (`env`: extra
+    variables)."""
     return subprocess.run(
         [str(Path(sys.executable).with_name("derender")), *args],
         input=stdin,
         capture_output=True,
         cwd=cwd,
-        env=offline_env(),
+        env=offline_env(**(env or {})),
         timeout=600,
     )
+
+
+def hub_cache(hub: Path, repo_id: str, source: Path, revision: str = "main") -> str:
+    """Lay `source`'s files into `hub` as ``huggingface_hub`` caches a
+    downloaded model: content-addressed blobs, a snapshot per commit whose
+    files link to them, and a ref naming the commit. Returns the commit."""
+    import hashlib
+
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(path for path in source.rglob("*") if path.is_file())
+    commit = hashlib.sha1(b"".join(path.read_bytes() for path in files)).hexdigest()
+    for path in files:
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit)
+    return commit

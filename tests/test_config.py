@@ -92,7 +92,7 @@ def test_config_file_must_exist_and_be_yaml(tmp_path: Path) -> None:
 def test_model_must_be_a_local_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no model given"):
         RenderConfig().check_paths()
-    with pytest.raises(ConfigError, match="--model Qwen/Qwen3-8B: no such directory"):
+    with pytest.raises(ConfigError, match="--model Qwen/Qwen3-8B: no such directory, and the Hub id Qwen/Qwen3-8B is not in the local Hugging Face cache"):
         RenderConfig(model="Qwen/Qwen3-8B").check_paths()
     with pytest.raises(ConfigError, match="--tokenizer"):
         RenderConfig(model=str(tmp_path), tokenizer=str(tmp_path / "tok")).check_paths()

@@ -21,8 +21,9 @@ called in bulk:
   ``docs/decoding.md``). It answers None when a guard fails, and the caller
   runs the incremental loop instead.
 - `TokenTable.logprob_piece` is ``decode_token_ids`` for one id, computed once
-  per id (it decodes each id independently), and `TokenTable.render_logprobs`
-  writes the chat ``logprobs`` JSON the response model would serialise.
+  per id (it decodes each id independently); `render_chat_logprobs` and
+  `render_completion_logprobs` write the ``logprobs`` JSON the response
+  models would serialise.
 
 A tokenizer these do not cover (Mistral's tekken, slow tokenizers, a class
 that overrides the decode methods) gets no table, and vLLM's own functions run.

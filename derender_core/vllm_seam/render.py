@@ -116,8 +116,8 @@ class DerenderEngine:
 
         """
         started = time.perf_counter()
-        config.check_paths()
         quiet_startup = prepare_environment()
+        config.check_paths()
 
         args = server_args(config)
         try:

@@ -522,8 +522,8 @@ class ServeEngine(DerenderEngine):
 
         """
         started = time.perf_counter()
-        config.check_paths()
         quiet_startup = prepare_environment()
+        config.check_paths()
         args = server_args(config)
         from vllm.config.logging import LoggingConfig
 
