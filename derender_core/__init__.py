@@ -4,6 +4,7 @@ Importing this package does not import vLLM; `DerenderEngine.build` and
 `ServeEngine.build` do.
 """
 
+from .api import RenderError, engine_for
 from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
 from .checks import check_body
 from .compare import Divergence, Normalization, Observed, compare
@@ -67,6 +68,7 @@ __all__ = [
     "RecordError",
     "RecordProcessor",
     "RenderConfig",
+    "RenderError",
     "Report",
     "RequestIndex",
     "Restored",
@@ -81,6 +83,7 @@ __all__ = [
     "check_body",
     "compare",
     "diff_items",
+    "engine_for",
     "from_serve",
     "iter_records",
     "open_input",

@@ -25,6 +25,7 @@ from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
@@ -43,7 +44,7 @@ REQUESTS_KEPT = 4096
 """Validated stream requests kept for reuse in live mode (one per stream)."""
 
 
-class DerenderEngine:
+class DerenderEngine(CodeAPI):
     """One render server's derender endpoints, in process.
 
     With ``live=True`` the chat streams of a parser-configured model keep

@@ -1,0 +1,186 @@
+"""The engine's way in for code: token ids and a request in, a response out.
+
+`Derenderer.post` is server-shaped: a derender body in, status and bytes out.
+RL and dataset code holds rollouts instead: the generated ids (or generate's
+response), the OpenAI request they answer, the prompt ids. `CodeAPI` gives
+engines ``chat`` and ``completion`` for that, and batch forms, over the very
+same ``post`` (so every answer is the render server's, byte for byte), with
+derender's record checks unless ``lenient``; a refused call raises
+`RenderError` with the server's status and message.
+
+`engine_for` keeps one engine per process and settings, for ``Dataset.map``
+with ``num_proc`` and other process pools.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .checks import check_body
+from .protocol import Answer, Endpoint
+
+if TYPE_CHECKING:
+    from .config import RenderConfig
+    from .vllm_seam.render import DerenderEngine
+
+
+class RenderError(Exception):
+    """A call the server refused: its HTTP status, its error message, and
+    the whole error body it answered."""
+
+    def __init__(self, status: int, message: str, body: Any) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+Output = Mapping[str, Any] | Sequence[int]
+"""A generate response (``{"request_id", "choices": [...]}``), or the
+generated token ids of one choice."""
+
+
+class CodeAPI:
+    """``chat`` and ``completion`` for any engine with a ``post``."""
+
+    def post(self, endpoint: Endpoint, body: Any) -> Answer:  # provided by the engine
+        raise NotImplementedError
+
+    vocab_size: int
+
+    def chat(
+        self,
+        output: Output,
+        request: Mapping[str, Any] | None,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        finish_reason: str | None = "stop",
+        lenient: bool = False,
+    ) -> dict[str, Any]:
+        """The ``ChatCompletionResponse`` the server gives for one rollout.
+
+        Args:
+            output: generate's response, or the generated ids of one choice
+                (then `finish_reason` is the choice's: "stop" drops a final
+                stop token as the engine does, "length" keeps every id).
+            request: the chat completion request the rollout answers, as
+                sent to ``/v1/chat/completions`` (its messages and tools, the
+                sampling settings that shape the answer).
+            prompt_token_ids: the prompt the render step produced; it seeds
+                the decode and some parsers read it.
+            lenient: skip derender's record checks (out-of-vocabulary ids...),
+                answering bug for bug as the server does.
+
+        Raises:
+            RenderError: the call was refused (status 400, 422 or 500).
+
+        """
+        body: dict[str, Any] = {"generate_response": _generate_response(output, finish_reason)}
+        if request is not None:
+            body["chat_request"] = dict(request)
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = list(prompt_token_ids)
+            body["prompt_tokens"] = len(prompt_token_ids)
+        return self._answered(Endpoint.CHAT, body, lenient)
+
+    def completion(
+        self,
+        output: Output,
+        request: Mapping[str, Any] | None,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        finish_reason: str | None = "stop",
+        lenient: bool = False,
+    ) -> dict[str, Any]:
+        """The ``CompletionResponse`` the server gives for one prompt's
+        output; arguments as for `chat`, with a completion request."""
+        body: dict[str, Any] = {"generate_responses": [_generate_response(output, finish_reason)]}
+        if request is not None:
+            body["completion_request"] = dict(request)
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = [list(prompt_token_ids)]
+            body["prompt_tokens"] = [len(prompt_token_ids)]
+        return self._answered(Endpoint.COMPLETION, body, lenient)
+
+    def chat_batch(
+        self,
+        rollouts: Iterable[tuple[Output, Mapping[str, Any] | None, Sequence[int] | None]],
+        *,
+        finish_reason: str | None = "stop",
+        lenient: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """`chat` for each ``(output, request, prompt_token_ids)``, in order.
+        With `return_exceptions`, a refused rollout's place holds its
+        `RenderError` and the rest are still answered."""
+        return self._batch(self.chat, rollouts, finish_reason, lenient, return_exceptions)
+
+    def completion_batch(
+        self,
+        rollouts: Iterable[tuple[Output, Mapping[str, Any] | None, Sequence[int] | None]],
+        *,
+        finish_reason: str | None = "stop",
+        lenient: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """`completion` for each ``(output, request, prompt_token_ids)``."""
+        return self._batch(self.completion, rollouts, finish_reason, lenient, return_exceptions)
+
+    def _batch(self, call: Any, rollouts: Iterable[Any], finish_reason: str | None, lenient: bool, keep: bool) -> list[Any]:
+        answers: list[Any] = []
+        for output, request, prompt in rollouts:
+            try:
+                answers.append(call(output, request, prompt, finish_reason=finish_reason, lenient=lenient))
+            except RenderError as exc:
+                if not keep:
+                    raise
+                answers.append(exc)
+        return answers
+
+    def _answered(self, endpoint: Endpoint, body: dict[str, Any], lenient: bool) -> dict[str, Any]:
+        if not lenient:
+            problem = check_body(body, endpoint, stream=False, vocab_size=self.vocab_size)
+            if problem is not None:
+                refused = self.bad_request(problem)  # type: ignore[attr-defined]
+                raise RenderError(refused.status, refused.error_message, refused.body)
+        answer = self.post(endpoint, body)
+        if not answer.ok:
+            raise RenderError(answer.status, answer.error_message, answer.body)
+        return answer.body
+
+
+def _generate_response(output: Output, finish_reason: str | None) -> Any:
+    if isinstance(output, Mapping):
+        return dict(output)
+    return {"request_id": "derender", "choices": [{"index": 0, "token_ids": list(output), "finish_reason": finish_reason}]}
+
+
+_ENGINES: dict[tuple[str, bool, str], tuple[int, DerenderEngine]] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine_for(config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
+    """This process's engine for these settings, built on first use: a
+    worker of ``Dataset.map(num_proc=N)`` or any process pool builds one
+    engine and answers every row it gets with it. A worker forked from a
+    process that had built it takes it over (its memory came with the
+    fork) on an event loop of its own."""
+    from .vllm_seam.render import DerenderEngine
+
+    key = (json.dumps(dataclasses.asdict(config), sort_keys=True, default=str), live, decode)
+    with _ENGINES_LOCK:
+        built = _ENGINES.get(key)
+        if built is None:
+            built = (os.getpid(), DerenderEngine.build(config, live=live, decode=decode))
+        elif built[0] != os.getpid():
+            built[1].close()  # this process's copy of the parent's loop
+            built = (os.getpid(), built[1])
+        _ENGINES[key] = built
+        return built[1]

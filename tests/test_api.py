@@ -1,0 +1,150 @@
+"""The code-shaped API (`derender_core.api`): rollouts in, responses out,
+the same answers as the endpoint's bytes; the ways in the library docs show
+(a list of rollouts, Hugging Face ``datasets`` with one engine per process).
+The Ray Data way is `test_ray.py::test_map_batches_with_a_shipped_model_answers_as_one_process`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from derender_core import Endpoint, RenderError, engine_for
+from tests.conftest import Stack, sample_config
+from tests.helpers import normalize
+from tests.sample_inputs import chat_bodies, completion_bodies
+
+
+def _rollouts(stack: Stack) -> list[tuple[dict[str, Any], dict[str, Any], list[int] | None]]:
+    return [
+        (body["generate_response"], body["chat_request"], body.get("prompt_token_ids"))
+        for body in chat_bodies(stack.builder)
+        if "chat_request" in body and "generate_response" in body
+    ]
+
+
+def test_chat_gives_the_endpoints_answer(qwen3_stack: Stack) -> None:
+    engine = qwen3_stack.engine
+    rollouts = _rollouts(qwen3_stack)
+    assert len(rollouts) >= 4
+    for output, request, prompt in rollouts:
+        body = {"generate_response": output, "chat_request": request}
+        if prompt is not None:
+            body.update(prompt_token_ids=prompt, prompt_tokens=len(prompt))
+        expected = engine.post(Endpoint.CHAT, body)
+        if expected.ok:
+            assert normalize(engine.chat(output, request, prompt)) == normalize(expected.body)
+        else:
+            with pytest.raises(RenderError) as refused:
+                engine.chat(output, request, prompt)
+            assert (refused.value.status, refused.value.message) == (expected.status, expected.error_message)
+
+
+def test_chat_from_token_ids_alone(qwen3_stack: Stack) -> None:
+    """A rollout's ids, request and prompt: the stop token is dropped and
+    the reasoning, content and tool call split, as the server does."""
+    b, engine = qwen3_stack.builder, qwen3_stack.engine
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    request = b.chat_request(messages)
+    text = b.answer("It is sunny.", reasoning="The user wants the weather.")
+    ids = b.encode(text) + [b.family.eos_id]
+    prompt = b.prompt_ids(messages)
+
+    answer = engine.chat(ids, request, prompt)
+
+    choice = answer["choices"][0]
+    assert choice["message"]["reasoning"].strip() == "The user wants the weather."
+    assert choice["message"]["content"].strip() == "It is sunny."
+    assert choice["finish_reason"] == "stop"
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), len(ids))
+    cut = engine.chat(ids[:-1], request, prompt, finish_reason="length")
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["message"]["content"].strip() == "It is sunny."
+
+
+def test_refusals_raise_with_the_servers_status_and_message(qwen3_stack: Stack) -> None:
+    b, engine = qwen3_stack.builder, qwen3_stack.engine
+    request = b.chat_request([{"role": "user", "content": "hi"}])
+    out_of_vocabulary = engine.vocab_size + 5
+
+    with pytest.raises(RenderError) as refused:
+        engine.chat([out_of_vocabulary], request)
+    assert refused.value.status == 400
+    assert "out of vocabulary" in refused.value.message
+    # Lenient: the server's own answer, the id decoded as nothing.
+    lenient = engine.chat([out_of_vocabulary], request, lenient=True)
+    served = engine.post(Endpoint.CHAT, {"generate_response": {"request_id": "derender", "choices": [
+        {"index": 0, "token_ids": [out_of_vocabulary], "finish_reason": "stop"}]}, "chat_request": request})
+    assert served.ok and normalize(lenient) == normalize(served.body)
+
+    with pytest.raises(RenderError) as refused:
+        engine.chat([], request)
+    assert refused.value.status == 400
+    assert refused.value.message == refused.value.body["error"]["message"]
+
+    answers = engine.chat_batch(
+        [(b.encode("Fine."), request, None), ([out_of_vocabulary], request, None), (b.encode("Good."), request, None)],
+        finish_reason="length",
+        return_exceptions=True,
+    )
+    assert [type(answer).__name__ for answer in answers] == ["dict", "RenderError", "dict"]
+    assert normalize(answers[2]) == normalize(engine.chat(b.encode("Good."), request, finish_reason="length"))
+    with pytest.raises(RenderError):
+        engine.chat_batch([([out_of_vocabulary], request, None)])
+
+
+def test_completion_gives_the_endpoints_answer(qwen3_stack: Stack) -> None:
+    engine = qwen3_stack.engine
+    checked = 0
+    for body in completion_bodies(qwen3_stack.builder):
+        responses = body.get("generate_responses")
+        if not isinstance(responses, list) or len(responses) != 1 or "completion_request" not in body:
+            continue
+        prompts = body.get("prompt_token_ids")
+        prompt = prompts[0] if isinstance(prompts, list) else None
+        single = {"generate_responses": responses, "completion_request": body["completion_request"]}
+        if prompt is not None:
+            single.update(prompt_token_ids=[prompt], prompt_tokens=[len(prompt)])
+        expected = engine.post(Endpoint.COMPLETION, single)
+        if not expected.ok:
+            continue
+        got = engine.completion(responses[0], body["completion_request"], prompt)
+        assert normalize(got) == normalize(expected.body)
+        checked += 1
+    assert checked >= 3
+    batch = engine.completion_batch([(r[0], r[1], r[2]) for r in [(responses[0], body["completion_request"], prompt)]])
+    assert normalize(batch[0]) == normalize(got)
+
+
+def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack) -> None:
+    """The documented `Dataset.map(num_proc=2)` way: the engine built once
+    in the parent, the forked workers answer with it."""
+    datasets = pytest.importorskip("datasets")
+    rollouts = _rollouts(qwen3_stack)
+    rows = [
+        {"output": output, "request": request, "prompt": prompt}
+        for output, request, prompt in rollouts
+        if len(output["choices"]) == 1
+    ]
+    config = sample_config()
+    engine_for(config)  # built here: Dataset.map's workers are forked from this process
+
+    def derender(row: dict[str, Any]) -> dict[str, Any]:
+        # Messages differ in shape (tool calls or not): kept as JSON text.
+        try:
+            answer = engine_for(config).chat(row["output"], row["request"], row["prompt"])
+        except RenderError as exc:
+            return {"message": None, "error": exc.message}
+        return {"message": json.dumps(answer["choices"][0]["message"]), "error": None}
+
+    mapped = datasets.Dataset.from_list(rows).map(derender, num_proc=2)
+
+    expected = [derender(row) for row in rows]
+    def messages(rows: Any) -> list[Any]:
+        return [normalize(json.loads(row["message"])) if row["message"] else None for row in rows]
+
+    assert messages(mapped) == messages(expected)
+    assert [row["error"] for row in mapped] == [e["error"] for e in expected]
+    assert sum(row["message"] is not None for row in mapped) >= 3
