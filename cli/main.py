@@ -1069,6 +1069,11 @@ def diff(
     normalization = Normalization(ignore_created, ignore_ids, null_is_absent)
     try:
         sides = {expected: list(read_items(expected)), actual: list(read_items(actual))}
+        empty = [path for path, items in sides.items() if not any(item.holds_answer for item in items)]
+        if empty:
+            # "0 divergences" would read as agreement; nothing can be compared.
+            console.print(f"derender: diff: no answers in {' or '.join(empty)}: nothing to compare", markup=False)
+            raise typer.Exit(ExitStatus.NO_ANSWERS)
         with _comparison_output(console, report, quiet) as found:
             found += diff_items(
                 sides[expected],
@@ -1080,11 +1085,6 @@ def diff(
     except DerenderError as exc:
         console.print(f"derender: error: {exc}", markup=False)
         raise typer.Exit(ExitStatus.USAGE) from None
-    empty = [path for path, items in sides.items() if not items]
-    if empty:
-        # "0 divergences" would read as agreement; nothing was compared.
-        console.print(f"derender: diff: no answers in {' or '.join(empty)}: nothing to compare", markup=False)
-        raise typer.Exit(ExitStatus.NO_ANSWERS)
     if not quiet:
         console.print(f"derender: diff: {len(found)} divergences", markup=False)
     raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
