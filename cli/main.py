@@ -394,14 +394,11 @@ def _derender(
     errors_path = str(flags.errors) if flags.errors is not None else None
     if errors_path == "-":
         raise InputError("--errors needs a file path: stdout carries the output")
-    outputs = {f"-o {out}" if len(plan) > 1 else "-o": out for _, out, _ in plan}
     manifested = [out for _, out, directory in plan if out != "-" and directory is None]
     refuse_overwriting(
-        {
-            **{f"INPUT {path}" if len(input_paths) > 1 else "INPUT": path for path in input_paths},
-            "--requests": None if requests_path is None else str(requests_path),
-        },
-        {**outputs, "--errors": errors_path, **{f"the manifest of {out}": manifest_path(out) for out in manifested}},
+        [*(("INPUT", path) for path in input_paths), ("--requests", None if requests_path is None else str(requests_path))],
+        [*(("-o", out) for _, out, _ in plan), ("--errors", errors_path),
+         *((f"the manifest of {out}", manifest_path(out)) for out in manifested)],
     )  # fmt: skip
     for path in input_paths:
         # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.

@@ -730,7 +730,11 @@ def _flushed(output: OutputFile) -> Iterator[None]:
         output.flush()
 
 
-def refuse_overwriting(inputs: Mapping[str, str | None], outputs: Mapping[str, str | None]) -> None:
+Roles = Mapping[str, str | None] | Iterable[tuple[str, str | None]]
+"""Flags and the paths they name, as a mapping or as pairs (shards share a flag)."""
+
+
+def refuse_overwriting(inputs: Roles, outputs: Roles) -> None:
     """Refuse two roles (inputs, ``--requests``, outputs, ``--errors``)
     that name one file, whatever the names (a symlink, a hard link, ``./``):
     opening an output truncates it, so an input would be lost before it is
@@ -742,8 +746,8 @@ def refuse_overwriting(inputs: Mapping[str, str | None], outputs: Mapping[str, s
 
     """
     seen: dict[tuple[Any, ...], tuple[str, bool]] = {}
-    roles = [(flag, path, False) for flag, path in inputs.items()]
-    roles += [(flag, path, True) for flag, path in outputs.items()]
+    roles = [(flag, path, False) for flag, path in _pairs(inputs)]
+    roles += [(flag, path, True) for flag, path in _pairs(outputs)]
     for flag, path, writes in roles:
         identity = _file_identity(path, sys.stdout if writes else sys.stdin)
         if identity is None:
@@ -758,6 +762,10 @@ def refuse_overwriting(inputs: Mapping[str, str | None], outputs: Mapping[str, s
                 reason = "name each file in one role only"
             raise InputError(f"{flag} {path} is the same file as {other}; {reason}")
         seen[identity] = (f"{flag} {path}", writes)
+
+
+def _pairs(roles: Roles) -> Iterable[tuple[str, str | None]]:
+    return roles.items() if isinstance(roles, Mapping) else roles
 
 
 def _file_identity(path: str | None, standard: Any) -> tuple[Any, ...] | None:
