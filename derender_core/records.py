@@ -29,7 +29,6 @@ input the earlier run read (`resume`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gzip
 import hashlib
 import io
@@ -172,7 +171,7 @@ def open_input(path: str) -> Iterator[BinaryIO]:
             with gzip.GzipFile(fileobj=source) as unzipped:
                 yield unzipped  # type: ignore[misc]
         elif head == ZSTD_MAGIC:
-            with io.BufferedReader(_ZstdReader(source)) as unzstd:
+            with io.BufferedReader(ZstdReader(source)) as unzstd:
                 yield unzstd  # type: ignore[misc]
         else:
             yield source
@@ -181,7 +180,7 @@ def open_input(path: str) -> Iterator[BinaryIO]:
             buffered.close()
 
 
-class _ZstdReader(io.RawIOBase):
+class ZstdReader(io.RawIOBase):
     """A zstd stream (all its frames) as a raw file, so it reads by lines
     and still reports the file descriptor it reads from.
 
@@ -366,36 +365,47 @@ def sniff_lines(stream: BinaryIO) -> tuple[bool, Iterator[bytes]]:
     return is_sse_capture(head), chain(head, lines)
 
 
-def iter_records(stream: BinaryIO) -> Iterator[Record]:
-    """Yield the records of a JSONL file or SSE capture, one line at a time.
+def numbered_lines(
+    lines: Iterable[bytes], *, sse: bool = False, trail: Any = None
+) -> Iterator[tuple[int, int, bytes, bytes | None]]:
+    """The record lines among `lines`: (record number, line number, line,
+    digest), the one rule every reader of text inputs numbers records by.
 
     In JSONL a blank line is a record once a later line is one (see the
-    module doc), so output line *i* answers input line *i*; the blank lines
-    waiting for that are kept as their (small) records, never as lines.
+    module doc), so output line *i* answers input line *i*; blank lines
+    wait for that, and are dropped at the end. `trail`, a hashlib object,
+    is fed every line; the digest is its value after the record's line."""
+    number = 0
+    waiting: list[tuple[int, bytes, bytes | None]] = []
+    for line_number, line in enumerate(lines, start=1):
+        digest = None
+        if trail is not None:
+            trail.update(line)
+            digest = trail.digest()
+        if parse_line(line, sse=sse) is None:
+            if not sse:
+                waiting.append((line_number, line, digest))
+            continue
+        for blank_number, blank, blank_digest in waiting:
+            number += 1
+            yield number, blank_number, blank, blank_digest
+        waiting.clear()
+        number += 1
+        yield number, line_number, line, digest
+
+
+def iter_records(stream: BinaryIO) -> Iterator[Record]:
+    """Yield the records of a JSONL file or SSE capture, one line at a time
+    (numbered by `numbered_lines`).
 
     Raises:
         StreamFailure: when the stream cannot be read on.
 
     """
     sse, lines = sniff_lines(stream)
-    number = 0
-    trail = hashlib.sha256()
-    blanks: list[Record] = []
-    for line_number, line in enumerate(lines, start=1):
-        trail.update(line)
-        parsed = parse_line(line, sse=sse)
-        if parsed is None:
-            if not sse:
-                payload, problem = parse_line(line, keep_blank=True)  # type: ignore[misc]
-                blanks.append(Record(0, line_number, payload, problem, trail.digest()))
-            continue
-        for blank in blanks:
-            number += 1
-            yield dataclasses.replace(blank, number=number)
-        blanks.clear()
-        number += 1
-        payload, problem = parsed
-        yield Record(number, line_number, payload, problem, trail.digest())
+    for number, line_number, line, digest in numbered_lines(lines, sse=sse, trail=hashlib.sha256()):
+        payload, problem = parse_line(line, sse=sse, keep_blank=True)  # type: ignore[misc]
+        yield Record(number, line_number, payload, problem, digest)
 
 
 class RequestIndex:

@@ -41,7 +41,7 @@ from typing import Any
 from .batch import Job, Restored, failure_detail
 from .config import RenderConfig
 from .datasets import _complete_lines, _parquet_file, is_parquet, open_records
-from .errors import InputError
+from .errors import InputError, StreamFailure
 from .protocol import Answer
 from .records import Record, open_input, open_output
 from .writers import ErrorLog
@@ -166,8 +166,10 @@ class Manifest:
             raise ValueError("unknown manifest format")
         return cls(**fields)
 
-    def write(self, output: str) -> None:
-        """Replace the manifest of `output` whole (written aside, then renamed)."""
+    def write(self, output: str, *, failure: type[Exception] = StreamFailure) -> None:
+        """Replace the manifest of `output` whole (written aside, then
+        renamed). A failure mid-run stops the run as a failing output does
+        (`StreamFailure`); before it, it is a usage error (`InputError`)."""
         path = manifest_path(output)
         partial = path + ".partial"
         try:
@@ -175,7 +177,7 @@ class Manifest:
                 target.write(self.to_json())
             os.replace(partial, path)
         except OSError as exc:
-            raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+            raise failure(f"cannot write {path}: {exc.strerror or exc}") from None
 
     def differences(self, now: Manifest) -> list[str]:
         """What differs from the run `now`, in words; empty when it may continue."""
@@ -340,7 +342,7 @@ class ManifestKeeper:
         if self.earlier is None:
             # Before the output is opened (truncated): no output exists
             # that its manifest does not describe.
-            self.manifest.write(self.output)
+            self.manifest.write(self.output, failure=InputError)
         else:
             self.manifest.records, self.manifest.sha256 = self.earlier.records, self.earlier.sha256
 
