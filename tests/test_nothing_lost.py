@@ -166,13 +166,13 @@ def test_kill_9_then_resume_continues_the_output_and_the_errors_file(clean_run: 
     process.communicate(timeout=60)
     kept = output.read_bytes().count(b"\n")
     assert 0 < kept < clean_run.records, "the kill must land mid-run"
-    assert (tmp_path / ".out.jsonl.derender.json").exists()
 
     done = run_cli(*args, "--resume", "-j", "1")
     assert done.returncode == 1, stderr_of(done)
     assert normalized_lines(output) == normalized_lines(clean_run.output)
     assert errors.read_bytes() == clean_run.errors.read_bytes()
     assert f"resumed: {kept} records" in stderr_of(done)
+    assert json.loads((tmp_path / ".out.jsonl.derender.json").read_bytes())["records"] == clean_run.records
 
 
 def test_resume_refuses_another_input_other_settings_or_no_manifest(clean_run: CleanRun, tmp_path: Path) -> None:
@@ -347,14 +347,18 @@ def test_workers_beyond_the_machine_are_a_usage_error_before_the_model_loads(tmp
 
 
 def _worker_pids(parent: int) -> list[int]:
+    """The parent's forked children (its own command name; not, say,
+    multiprocessing's resource tracker, which is a fresh python)."""
     found = []
+    name = Path(f"/proc/{parent}/comm").read_text()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                comm = Path(f"/proc/{entry}/comm").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent and comm == name:
                 found.append(int(entry))
     return found
 
