@@ -380,6 +380,45 @@ def test_a_broken_gzip_input_fails_the_stream_after_the_good_records(tmp_path: P
     assert seen == list(range(len(seen)))
 
 
+def _zstd_frames(count: int, per_frame: int) -> bytes:
+    import zstandard
+
+    lines = [orjson.dumps({"n": i, "pad": "x" * 200}) + b"\n" for i in range(count)]
+    compressor = zstandard.ZstdCompressor()
+    return b"".join(compressor.compress(b"".join(lines[i : i + per_frame])) for i in range(0, count, per_frame))
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda packed: packed[: len(packed) * 2 // 3], "ends early \\(the last zstd frame is cut short\\)"),
+        (lambda packed: packed[:-3], "ends early \\(the last zstd frame is cut short\\)"),
+        (lambda packed: packed[:300] + bytes(b ^ 0x5A for b in packed[300:500]) + packed[500:], "corrupt zstd data"),
+        (lambda packed: packed + b"trailing garbage", "corrupt zstd data"),
+    ],
+    ids=["truncated", "last-frame-cut", "corrupt", "garbage-after"],
+)
+@pytest.mark.parametrize("per_frame", [500, 7])
+def test_a_broken_zstd_input_fails_the_stream_after_the_good_records(tmp_path: Path, mangle: Any, message: str, per_frame: int) -> None:
+    """As gzip: one frame or many, a cut or corrupt stream never reads as
+    a complete one."""
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(mangle(_zstd_frames(500, per_frame)))
+    seen = []
+    with pytest.raises(StreamFailure, match=message) as failure, open_input(str(path)) as stream:
+        for record in iter_records(stream):
+            seen.append(record.payload["n"])
+    assert str(path) in str(failure.value)
+    assert seen == list(range(len(seen))) and len(seen) < 500
+
+
+def test_a_whole_zstd_input_of_many_frames_reads_in_full(tmp_path: Path) -> None:
+    path = tmp_path / "whole.jsonl.zst"
+    path.write_bytes(_zstd_frames(500, 7))
+    with open_input(str(path)) as stream:
+        assert [record.payload["n"] for record in iter_records(stream)] == list(range(500))
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
