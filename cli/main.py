@@ -4,7 +4,8 @@ It parses flags, opens inputs and outputs, shows progress and the summary on
 stderr, and exits with the status the core decides (`ExitStatus`): 0 all
 records fine, 1 some records got error records, 2 usage or configuration
 error (nothing processed), 3 the run could not finish (an input or output
-failed mid-run, a worker died), 128 + N stopped by signal N (Ctrl-C: 130).
+failed mid-run, a worker died), 4 (`diff`) an input holds no answer, 128 + N
+stopped by signal N (Ctrl-C: 130).
 vLLM is imported only once a command runs, never for ``--help``.
 """
 
@@ -251,7 +252,9 @@ ResumeOpt = Annotated[
     typer.Option(
         "--resume",
         help="Continue the outputs an earlier, stopped run left: the records they hold are "
-        "skipped, the rest appended. JSONL (plain, .gz, .zst) and Parquet outputs.",
+        "skipped, the rest appended, and --errors rebuilt. JSONL (plain, .gz, .zst) and Parquet "
+        "outputs. Refused when the output's manifest (.NAME.derender.json beside it) names another "
+        "input, other answer-shaping flags or other versions, or is missing.",
     ),
 ]
 RayOpt = Annotated[

@@ -27,6 +27,7 @@ from this run (`check_resume`), before the model loads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -250,7 +251,9 @@ def _file_facts(path: str) -> dict[str, Any]:
     return {"path": os.path.abspath(path), "size": info.st_size if stat.S_ISREG(info.st_mode) else None}
 
 
+@functools.lru_cache(maxsize=8)
 def _file_sha256(path: str) -> str | None:
+    # Cached: every shard's manifest names the one --requests file.
     try:
         with open(path, "rb") as source:
             return hashlib.file_digest(source, "sha256").hexdigest()
