@@ -174,6 +174,7 @@ class Manifest:
         path = manifest_path(output)
         partial = path + ".partial"
         try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # -o DIR/ may not exist yet
             with open(partial, "wb") as target:
                 target.write(self.to_json())
             os.replace(partial, path)

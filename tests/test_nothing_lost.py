@@ -223,7 +223,7 @@ def test_blank_lines_get_their_own_error_records_and_errors_lines_agree(tmp_path
     lines = [orjson.dumps(CHAT[0]), b"", b"not json", b"  \t", orjson.dumps(bare), orjson.dumps(CHAT[2])]
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"\r\n".join(lines) + b"\r\n\n \n")
-    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    out, errors = tmp_path / "new" / "out.jsonl", tmp_path / "errors.jsonl"  # its directory made, manifest too
     done = run_cli("chat", str(source), "-o", str(out), "--requests", str(requests), "--errors", str(errors), "-j", "1", *FLAGS)
     assert done.returncode == 1, stderr_of(done)
     answers = lines_of(out.read_bytes())
