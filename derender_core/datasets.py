@@ -233,6 +233,12 @@ class ParquetWriter:
         self.schema = pa.schema([("record", pa.int64()), ("status", pa.int32()), ("response", pa.string())])
         self._partial = path + ".partial"
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            # Replaced now, as a JSONL output is truncated: an earlier run's
+            # file left until this one ends could pass for this run's
+            # (its manifest is this run's) if this run is killed.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         try:
             self._writer = pq.ParquetWriter(self._partial, self.schema)
         except OSError as exc:
