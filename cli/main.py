@@ -68,6 +68,7 @@ from derender_core.resume import (
     ManifestKeeper,
     check_input_prefix,
     check_resume,
+    keeps_manifest,
     logged_restored,
     manifest_path,
     prepare_output,
@@ -397,7 +398,7 @@ def _derender(
     errors_path = str(flags.errors) if flags.errors is not None else None
     if errors_path == "-":
         raise InputError("--errors needs a file path: stdout carries the output")
-    manifested = [out for _, out, directory in plan if out != "-" and directory is None]
+    manifested = [out for _, out, directory in plan if directory is None and keeps_manifest(out)]
     refuse_overwriting(
         [*(("INPUT", path) for path in input_paths), ("--requests", None if requests_path is None else str(requests_path))],
         [*(("-o", out) for _, out, _ in plan), ("--errors", errors_path),

@@ -134,6 +134,19 @@ def manifest_path(output: str) -> str:
     return str(path.with_name(f".{path.name}.derender.json"))
 
 
+def keeps_manifest(output: str) -> bool:
+    """Whether `output` gets a manifest: a file, not stdout, a device
+    (``/dev/null``, ``/dev/full``) or a pipe, which cannot be resumed."""
+    if output == "-":
+        return False
+    try:
+        return stat.S_ISREG(os.stat(output).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
 @dataclass
 class Manifest:
     """What an output's answers depend on, and how far they go.
