@@ -863,11 +863,17 @@ def parsers(
     by this vLLM but not in the recorded data show as "not probed".
     """
     import json
+    import warnings
 
     from derender_core.coverage import markdown_table, table_rows
-    from derender_core.vllm_seam.stack import registered_parsers
 
-    rows = table_rows(registered_parsers())
+    with warnings.catch_warnings():
+        # Importing vLLM imports torch, whose deprecation and device warnings
+        # say nothing about a list of parsers.
+        warnings.simplefilter("ignore")
+        from derender_core.vllm_seam.stack import registered_parsers
+
+        rows = table_rows(registered_parsers())
     if output_format is ParsersFormat.jsonl:
         for row in rows:
             typer.echo(json.dumps(row, ensure_ascii=False))
