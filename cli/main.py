@@ -4,7 +4,8 @@ It parses flags, opens inputs and outputs, shows progress and the summary on
 stderr, and exits with the status the core decides (`ExitStatus`): 0 all
 records fine, 1 some records got error records, 2 usage or configuration
 error (nothing processed), 3 the run could not finish (an input or output
-failed mid-run, a worker died), 128 + N stopped by signal N (Ctrl-C: 130).
+failed mid-run, a worker died), 4 (`diff`) an input holds no answer, 128 + N
+stopped by signal N (Ctrl-C: 130).
 vLLM is imported only once a command runs, never for ``--help``.
 """
 
@@ -60,11 +61,22 @@ from derender_core import (
     requests_of,
     run,
 )
-from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
+from derender_core.datasets import ParquetWriter, answers_in, check_input, is_parquet, open_records, output_name
 from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
 from derender_core.parity import DERENDER_MODES
-from derender_core.resume import prepare_output, skip_answered
-from derender_core.workers import WorkerPool, usable_cpus
+from derender_core.resume import (
+    Manifest,
+    ManifestKeeper,
+    check_input_prefix,
+    check_resume,
+    keeps_manifest,
+    logged_restored,
+    manifest_path,
+    prepare_output,
+    run_manifest,
+    skip_answered,
+)
+from derender_core.workers import WorkerPool, check_workers, usable_cpus
 
 from .progress import ProgressDisplay, Summary, print_summary
 from .report import print_table, write_report
@@ -259,7 +271,9 @@ ResumeOpt = Annotated[
     typer.Option(
         "--resume",
         help="Continue the outputs an earlier, stopped run left: the records they hold are "
-        "skipped, the rest appended. JSONL (plain, .gz, .zst) and Parquet outputs.",
+        "skipped, the rest appended, and --errors rebuilt. JSONL (plain, .gz, .zst) and Parquet "
+        "outputs. Refused when the output's manifest (.NAME.derender.json beside it) names another "
+        "input, other answer-shaping flags or other versions, or is missing.",
     ),
 ]
 RayOpt = Annotated[
@@ -403,17 +417,19 @@ def _derender(
     errors_path = str(flags.errors) if flags.errors is not None else None
     if errors_path == "-":
         raise InputError("--errors needs a file path: stdout carries the output")
+    manifested = [out for _, out, directory in plan if directory is None and keeps_manifest(out)]
     refuse_overwriting(
-        {
-            **{f"INPUT {path}" if len(plan) > 1 else "INPUT": path for path, _, _ in plan},
-            "--requests": None if requests_path is None else str(requests_path),
-        },
-        {**{f"-o {out}" if len(plan) > 1 else "-o": out for _, out, _ in plan}, "--errors": errors_path},
+        [*(("INPUT", path) for path in input_paths), ("--requests", None if requests_path is None else str(requests_path))],
+        [*(("-o", out) for _, out, _ in plan), ("--errors", errors_path),
+         *((f"the manifest of {out}", manifest_path(out)) for out in manifested)],
     )  # fmt: skip
     for path in input_paths:
         # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
         if path != "-" and not os.path.exists(path):
             raise InputError(f"cannot open input {path}: no such file")
+        check_input(path)
+    if not scale.ray and scale.workers is not None:
+        check_workers(scale.workers)
     engine_class = DerenderEngine
     if flavor is Flavor.serve:
         # The serve path drives a live AsyncLLM on its own event loop, which
@@ -429,12 +445,50 @@ def _derender(
             config, plan, job_endpoint, requests_path, flags, scale, stream_format, live, decode.value
         )  # fmt: skip
     else:
+        manifests = {
+            out: _checked_manifest(config, path, out, job_endpoint, requests_path, flags, scale, stream_format, flavor)
+            for path, out, directory in plan
+            if out in manifested and stream_format in (None, OutputFormat.jsonl)
+        }
+        replaced = [out for _, out, directory in plan if len(plan) > 1 and not scale.resume and os.path.exists(out)]
+        if replaced and not flags.quiet:
+            console.print(
+                f"derender: replacing {len(replaced)} output(s) in {output} that an earlier run left "
+                "(--resume continues them instead)",
+                markup=False,
+            )
         summary = _derender_here(
             config, plan, job_endpoint, requests_path, flags, console, scale, stream_format, live, engine_class,
-            decode.value,
+            manifests, decode.value,
         )  # fmt: skip
     _summarise(console, summary, flags)
     return summary.return_code
+
+
+def _checked_manifest(
+    config: RenderConfig,
+    input_path: str,
+    output: str,
+    endpoint: Endpoint,
+    requests_path: Path | None,
+    flags: RunFlags,
+    scale: Scale,
+    stream_format: OutputFormat | None,
+    flavor: Flavor,
+) -> tuple[Manifest, Manifest | None]:
+    """The manifest this run writes for `output`, and with --resume the
+    earlier run's, once it is known to describe this run (before the model
+    loads: a mismatch is a usage error)."""
+    stream = stream_format is not None
+    now = run_manifest(
+        config, input_path,
+        command="stream" if stream else endpoint.value, endpoint=endpoint.value, flavor=flavor.value,
+        lenient=flags.lenient, requests=None if requests_path is None else str(requests_path),
+    )  # fmt: skip
+    earlier = check_resume(output, now) if scale.resume else None
+    if earlier is not None:
+        check_input_prefix(input_path, Job(endpoint, stream=stream), output, earlier)
+    return now, earlier
 
 
 def _summarise(console: Console, summary: Summary, flags: RunFlags) -> None:
@@ -466,6 +520,7 @@ def _derender_here(
     stream_format: OutputFormat | None,
     live: bool,
     engine_class: type[DerenderEngine] = DerenderEngine,
+    manifests: dict[str, tuple[Manifest, Manifest | None]] | None = None,
     decode: str = "fast",
 ) -> Summary:
     """On this machine: one engine, forked into workers, for every input."""
@@ -504,6 +559,7 @@ def _derender_here(
             report = _derender_one(
                 engine, job, input_path, output_path, directory, stream_format,
                 outcomes, stop, progress, scale.resume, flags, error_log,
+                (manifests or {}).get(output_path),
             )  # fmt: skip
             summary.add(input_path, report, output_path)
             if stop or report.unfinished is not None or report.stopped_at_failure:
@@ -564,26 +620,43 @@ def _derender_one(
     resume: bool,
     flags: RunFlags,
     error_log: ErrorLog | None,
+    manifest: tuple[Manifest, Manifest | None] | None = None,
 ) -> Report:
-    """Derender one input into one output."""
+    """Derender one input into one output (and its manifest)."""
     done = prepare_output(output) if resume else 0
+    keeper = None if manifest is None else ManifestKeeper(output, *manifest, done=done)
     with contextlib.ExitStack() as resources:
         source = resources.enter_context(open_records(input_path, job))
         writer = resources.enter_context(
             _open_writer(output, directory, stream_format, job.endpoint, engine, append=done > 0)
         )
         records: Any = until_stopped(source.records, stop)
+        if keeper is not None:
+            records = keeper.track(records)
         if done:
-            records = skip_answered(records, done, answers_in(output) if job.stream else None)
+            # The skipped records' answers: a stream's states, and the
+            # --errors lines of those that failed.
+            answers = answers_in(output) if job.stream or error_log is not None else None
+            records = skip_answered(records, done, answers)
+            if error_log is not None:
+                records = logged_restored(records, error_log)
         progress.start_input(input_path, source, done)
+
+        def on_progress(report: Report) -> None:
+            progress.update(report)
+            if keeper is not None:
+                keeper.update(writer.records_written)
+
         try:
             report = run(
                 engine, records, job, writer,
-                on_progress=progress.update, outcomes=outcomes,
+                on_progress=on_progress, outcomes=outcomes,
                 fail_fast=flags.fail_fast, error_log=error_log,
             )  # fmt: skip
         except RunIncomplete as incomplete:
             report = incomplete.report
+    if keeper is not None:
+        keeper.close(writer.records_written)
     report.stopped_by = stop.signal
     report.resumed = done
     return report
@@ -816,11 +889,17 @@ def parsers(
     by this vLLM but not in the recorded data show as "not probed".
     """
     import json
+    import warnings
 
     from derender_core.coverage import markdown_table, table_rows
-    from derender_core.vllm_seam.stack import registered_parsers
 
-    rows = table_rows(registered_parsers())
+    with warnings.catch_warnings():
+        # Importing vLLM imports torch, whose deprecation and device warnings
+        # say nothing about a list of parsers.
+        warnings.simplefilter("ignore")
+        from derender_core.vllm_seam.stack import registered_parsers
+
+        rows = table_rows(registered_parsers())
     if output_format is ParsersFormat.jsonl:
         for row in rows:
             typer.echo(json.dumps(row, ensure_ascii=False))
@@ -1016,15 +1095,22 @@ def diff(
     line) or SSE transcripts (a file, or a directory of <request_id>.sse).
     Streams are grouped by their chunks' id and compared assembled and by
     shape. Requests pair up in order, or by file name for two directories.
-    Exit 1 when any divergence remains, 0 when none.
+    Exit 1 when any divergence remains, 0 when none, 4 when an input holds
+    no answer at all.
     """
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     normalization = Normalization(ignore_created, ignore_ids, null_is_absent)
     try:
+        sides = {expected: list(read_items(expected)), actual: list(read_items(actual))}
+        empty = [path for path, items in sides.items() if not any(item.holds_answer for item in items)]
+        if empty:
+            # "0 divergences" would read as agreement; nothing can be compared.
+            console.print(f"derender: diff: no answers in {' or '.join(empty)}: nothing to compare", markup=False)
+            raise typer.Exit(ExitStatus.NO_ANSWERS)
         with _comparison_output(console, report, quiet) as found:
             found += diff_items(
-                read_items(expected),
-                read_items(actual),
+                sides[expected],
+                sides[actual],
                 by_key=Path(expected).is_dir() and Path(actual).is_dir(),
                 ignore=ignore or (),
                 normalization=normalization,

@@ -187,8 +187,7 @@ class RecordProcessor:
         engine, job = self.engine, self.job
         if record.problem is not None:
             problem = record.problem
-            answer = engine.invalid_json(problem.message, problem.position)
-            return Outcome(answer, detail=problem.message if problem.position is None else None)
+            return Outcome(engine.invalid_json(problem.message, problem.position), detail=failure_detail(record))
         try:
             body = derender_body(record.payload, job.endpoint, stream=job.stream, requests=job.requests)
         except RecordError as exc:
@@ -231,6 +230,14 @@ class RecordProcessor:
                 self.restore(item.record, item.answer)
             else:
                 yield item, self.process(item)
+
+
+def failure_detail(record: Record) -> str | None:
+    """What an error record cannot say about `record`: why the server's
+    parser gave up on the line, when its answer is only the generic 400.
+    Told from the record alone, so a resumed run logs it as the first did."""
+    problem = record.problem
+    return problem.message if problem is not None and problem.position is None else None
 
 
 def stream_key(record: Record, job: Job) -> str | None:

@@ -15,7 +15,8 @@ read a row group slice at a time, in one of two forms:
   GenerateResponse.
 
 Every row is a record (an empty body gets the server's JSON error), so
-output row *i* answers input row *i*.
+output row *i* answers input row *i*. A body column that is not text
+(string or binary) is refused before anything runs (`check_input`).
 
 A ``.parquet`` output holds one row per answer: ``record`` (the input
 record it answers, from 1), ``status`` (the HTTP status) and ``response``
@@ -27,6 +28,8 @@ written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -103,23 +106,65 @@ def _parquet_file(path: str) -> Any:
         raise InputError(f"cannot read {path} as Parquet: {exc}") from None
 
 
+def check_input(path: str) -> None:
+    """What can be told about an input before the model loads: a Parquet
+    input must be readable and its body column text.
+
+    Raises:
+        InputError: naming the input, and the column and its type.
+
+    """
+    if is_parquet(path):
+        _check_body_column(_parquet_file(path).schema_arrow, path)
+
+
+def _check_body_column(schema: pa.Schema, origin: str) -> None:
+    import pyarrow as pa
+
+    body_column = next((name for name in BODY_COLUMNS if name in schema.names), None)
+    if body_column is None:
+        return
+    kind = schema.field(body_column).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary, pa.types.is_null)
+    if not any(is_text(kind) for is_text in text):
+        raise InputError(
+            f"{origin}: column {body_column!r} is {schema.field(body_column).type}, not text: "
+            "it must hold one input line (a JSON body) per row, as a string or binary"
+        )
+
+
 def _parquet_records(parquet: Any, job: Job, path: str) -> Iterator[Record]:
     number = 0
+    trail = hashlib.sha256()
     for batch in parquet.iter_batches(batch_size=ROWS_PER_READ):
-        for record in records_from_table(batch, job, first_number=number + 1, origin=path):
+        for record in records_from_table(batch, job, first_number=number + 1, origin=path, trail=trail):
             number = record.number
             yield record
 
 
-def records_from_table(table: pa.Table | pa.RecordBatch, job: Job, first_number: int, origin: str) -> Iterator[Record]:
+def records_from_table(
+    table: pa.Table | pa.RecordBatch,
+    job: Job,
+    first_number: int,
+    origin: str,
+    trail: Any = None,
+) -> Iterator[Record]:
     """The records of an Arrow table's rows (see the module doc for its
-    columns), numbered from `first_number`; ``line`` is the row number."""
+    columns), numbered from `first_number`; ``line`` is the row number.
+    `trail` (a hashlib object) is updated with each row, for
+    `Record.digest`, across the tables of one input."""
     names = set(table.schema.names)
     body_column = next((name for name in BODY_COLUMNS if name in names), None)
+    trail = trail or hashlib.sha256()
     if body_column is not None:
+        _check_body_column(table.schema, origin)
         for offset, value in enumerate(table.column(body_column).to_pylist()):
             number = first_number + offset
-            yield _body_record(number, value)
+            raw = value.encode("utf-8") if isinstance(value, str) else (value or b"")
+            trail.update(len(raw).to_bytes(8, "little") + raw)
+            yield _body_record(number, raw, trail.digest())
         return
     if job.stream:
         raise InputError(
@@ -137,16 +182,15 @@ def records_from_table(table: pa.Table | pa.RecordBatch, job: Job, first_number:
     for offset, row in enumerate(rows):
         number = first_number + offset
         key = row.get(key_column) if key_column else None
-        yield _columnar_record(number, row, key, job, origin)
+        trail.update(repr(sorted(row.items())).encode() + b"\n")
+        record = _columnar_record(number, row, key, job, origin)
+        yield dataclasses.replace(record, digest=trail.digest())
 
 
-def _body_record(number: int, value: str | bytes | None) -> Record:
-    raw = value.encode("utf-8") if isinstance(value, str) else (value or b"")
-    parsed = parse_line(raw)
-    if parsed is None:  # every row is a record: an empty body is not JSON
-        parsed = None, JsonProblem("Expecting value", 0)
-    payload, problem = parsed
-    return Record(number=number, line=number, payload=payload, problem=problem)
+def _body_record(number: int, raw: bytes, digest: bytes) -> Record:
+    # Every row is a record: an empty body is not JSON.
+    payload, problem = parse_line(raw, keep_blank=True)  # type: ignore[misc]
+    return Record(number=number, line=number, payload=payload, problem=problem, digest=digest)
 
 
 def _columnar_record(number: int, row: Mapping[str, Any], key: Any, job: Job, origin: str) -> Record:
@@ -189,6 +233,12 @@ class ParquetWriter:
         self.schema = pa.schema([("record", pa.int64()), ("status", pa.int32()), ("response", pa.string())])
         self._partial = path + ".partial"
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            # Replaced now, as a JSONL output is truncated: an earlier run's
+            # file left until this one ends could pass for this run's
+            # (its manifest is this run's) if this run is killed.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         try:
             self._writer = pq.ParquetWriter(self._partial, self.schema)
         except OSError as exc:

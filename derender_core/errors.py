@@ -30,6 +30,8 @@ class ExitStatus(IntEnum):
     """The run could not finish: an input or output failed mid-run (the
     output holds the records written before the failure), or derender hit a
     bug outside any one record."""
+    NO_ANSWERS = 4
+    """``diff``: an input holds no answer at all, so nothing was compared."""
 
 
 class DerenderError(Exception):

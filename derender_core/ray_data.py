@@ -74,7 +74,7 @@ from .datasets import is_parquet, records_from_table
 from .errors import ConfigError, InputError, RunIncomplete
 from .logs import LogLine
 from .protocol import Endpoint
-from .records import GZIP_MAGIC, ZSTD_MAGIC, Record, parse_line
+from .records import GZIP_MAGIC, ZSTD_MAGIC, Record, ZstdReader, numbered_lines
 from .streams import ChunkFacts
 from .workers import decode_outcome, encode_outcome
 from .writers import ErrorLog, Writer
@@ -260,15 +260,9 @@ def _lines_datasource(paths: list[str]) -> Any:
             if magic[:2] == GZIP_MAGIC:
                 stream = gzip.GzipFile(fileobj=stream)
             elif magic == ZSTD_MAGIC:
-                import zstandard
-
-                stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True))
+                stream = io.BufferedReader(ZstdReader(stream))  # a cut frame fails, as gzip does
             columns: dict[str, list[Any]] = {"record": [], "key": [], "text": []}
-            number = 0
-            for line_number, line in enumerate(stream, start=1):
-                if parse_line(line) is None:
-                    continue
-                number += 1
+            for number, line_number, line, _ in numbered_lines(stream):
                 columns["record"].append(number)
                 columns["key"].append(line_number)
                 columns["text"].append(line)

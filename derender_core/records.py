@@ -14,14 +14,23 @@ In an SSE capture ``data: {...}`` lines are records; ``data: [DONE]``,
 input is a capture is decided once, from its first lines, so a JSONL line
 that merely looks like an SSE field is a (bad) record, never dropped.
 
-Blank lines are not records. Lines end in LF, CRLF or a lone CR. Inputs
-are read in chunks, never whole.
+In JSONL, output line *i* answers input line *i*: a blank or
+whitespace-only line followed by a record is a record of its own (not JSON,
+so it gets the server's JSON error); blank lines after the last record are
+not records. In an SSE capture blank lines separate events and are never
+records. Lines end in LF, CRLF or a lone CR. Inputs are read in chunks,
+never whole.
+
+Each record carries a digest of the input's bytes up to and including its
+line (`Record.digest`), so a resumed run can check that it continues the
+input the earlier run read (`resume`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -32,7 +41,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -55,9 +64,19 @@ _READ_SIZE = 1 << 16
 SSE_SNIFF_LINES = 64
 """How many leading blank, comment and non-data field lines may precede the
 line that decides whether an input is an SSE capture."""
-_READ_ERRORS = (OSError, EOFError, zlib.error)
-"""What reading a file or a gzip stream raises when it cannot go on:
-a read error, a truncated gzip (EOFError), corrupt compressed data."""
+_ZSTD_FEED = 1 << 13
+"""Compressed bytes handed to the zstd decoder at a time: bounds what one
+call can expand to."""
+
+
+class CorruptInput(ValueError):
+    """Compressed data that cannot be decoded."""
+
+
+_READ_ERRORS = (OSError, EOFError, zlib.error, CorruptInput)
+"""What reading a file or a compressed stream raises when it cannot go on:
+a read error, a truncated gzip or zstd stream (EOFError), corrupt
+compressed data."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +101,9 @@ class Record:
     """1-based line number in the input file."""
     payload: Any = None
     problem: JsonProblem | None = None
+    digest: bytes | None = field(default=None, compare=False, repr=False)
+    """SHA-256 of the input up to and including this record's line (for
+    Parquet, its rows up to this one): what ``--resume`` checks."""
 
 
 class _Prefixed(io.RawIOBase):
@@ -94,6 +116,10 @@ class _Prefixed(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def fileno(self) -> int:
+        # The file read, as for any other input: its position is the bytes read.
+        return self._rest.fileno()
 
     def readinto(self, buffer: Any) -> int:
         if self._prefix:
@@ -145,7 +171,7 @@ def open_input(path: str) -> Iterator[BinaryIO]:
             with gzip.GzipFile(fileobj=source) as unzipped:
                 yield unzipped  # type: ignore[misc]
         elif head == ZSTD_MAGIC:
-            with io.BufferedReader(_ZstdReader(source)) as unzstd:
+            with io.BufferedReader(ZstdReader(source)) as unzstd:
                 yield unzstd  # type: ignore[misc]
         else:
             yield source
@@ -154,21 +180,60 @@ def open_input(path: str) -> Iterator[BinaryIO]:
             buffered.close()
 
 
-class _ZstdReader(io.RawIOBase):
+class ZstdReader(io.RawIOBase):
     """A zstd stream (all its frames) as a raw file, so it reads by lines
-    and still reports the file descriptor it reads from."""
+    and still reports the file descriptor it reads from.
+
+    Decoded frame by frame with zstandard's ``decompressobj`` rather
+    than ``stream_reader(read_across_frames=True)``, which reports a frame
+    cut short as a clean end: a truncated input must fail as a truncated
+    gzip does (EOFError), not pass as complete.
+    """
 
     def __init__(self, compressed: BinaryIO) -> None:
         import zstandard
 
         self._compressed = compressed
-        self._reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False
+        """Bytes of the current frame have been fed and its end not seen."""
+        self._zstd_error = zstandard.ZstdError
+        self._ready = memoryview(b"")
+        self.name = getattr(compressed, "name", "input")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        return self._reader.readinto(buffer)  # type: ignore[no-any-return]
+        while not self._ready:
+            read = getattr(self._compressed, "read1", self._compressed.read)
+            data = read(_ZSTD_FEED)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("the last zstd frame is cut short")
+                return 0
+            self._ready = memoryview(self._decoded(data))
+        size = min(len(buffer), len(self._ready))
+        buffer[:size] = self._ready[:size]
+        self._ready = self._ready[size:]
+        return size
+
+    def _decoded(self, data: bytes) -> bytes:
+        pieces = []
+        while data:
+            try:
+                pieces.append(self._frame.decompress(data))
+            except self._zstd_error as exc:
+                raise CorruptInput(f"corrupt zstd data ({exc})") from None
+            self._in_frame = True
+            if not self._frame.eof:
+                break
+            # A frame ended: what follows it starts the next one.
+            data = self._frame.unused_data
+            self._frame = self._decompressor.decompressobj()
+            self._in_frame = False
+        return b"".join(pieces)
 
     def fileno(self) -> int:
         return self._compressed.fileno()
@@ -223,12 +288,16 @@ def _is_sse_framing(text: bytes) -> bool:
     return text.startswith(_SSE_FRAMING)
 
 
-def parse_line(line: bytes, *, sse: bool = False) -> tuple[Any, JsonProblem | None] | None:
+def parse_line(
+    line: bytes, *, sse: bool = False, keep_blank: bool = False
+) -> tuple[Any, JsonProblem | None] | None:
     """Parse one input line; None when the line is not a record.
 
     In an SSE capture (`sse`), ``data:`` lines carry the records and other
     fields and comments are not records; elsewhere every line that is not
-    blank is a record, JSON or not.
+    blank is a record, JSON or not. With `keep_blank` a blank line is
+    parsed too (a record that is not JSON), for inputs where every line or
+    row is a record.
 
     Returns:
         The JSON payload and None, or None and the reason it is not JSON.
@@ -236,7 +305,7 @@ def parse_line(line: bytes, *, sse: bool = False) -> tuple[Any, JsonProblem | No
     """
     body = line.rstrip(b"\r\n")
     text = body.strip()
-    if not text:
+    if not text and not keep_blank:
         return None
     if sse:
         if text.startswith(b"data:"):
@@ -296,22 +365,47 @@ def sniff_lines(stream: BinaryIO) -> tuple[bool, Iterator[bytes]]:
     return is_sse_capture(head), chain(head, lines)
 
 
+def numbered_lines(
+    lines: Iterable[bytes], *, sse: bool = False, trail: Any = None
+) -> Iterator[tuple[int, int, bytes, bytes | None]]:
+    """The record lines among `lines`: (record number, line number, line,
+    digest), the one rule every reader of text inputs numbers records by.
+
+    In JSONL a blank line is a record once a later line is one (see the
+    module doc), so output line *i* answers input line *i*; blank lines
+    wait for that, and are dropped at the end. `trail`, a hashlib object,
+    is fed every line; the digest is its value after the record's line."""
+    number = 0
+    waiting: list[tuple[int, bytes, bytes | None]] = []
+    for line_number, line in enumerate(lines, start=1):
+        digest = None
+        if trail is not None:
+            trail.update(line)
+            digest = trail.digest()
+        if parse_line(line, sse=sse) is None:
+            if not sse:
+                waiting.append((line_number, line, digest))
+            continue
+        for blank_number, blank, blank_digest in waiting:
+            number += 1
+            yield number, blank_number, blank, blank_digest
+        waiting.clear()
+        number += 1
+        yield number, line_number, line, digest
+
+
 def iter_records(stream: BinaryIO) -> Iterator[Record]:
-    """Yield the records of a JSONL file or SSE capture, one line at a time.
+    """Yield the records of a JSONL file or SSE capture, one line at a time
+    (numbered by `numbered_lines`).
 
     Raises:
         StreamFailure: when the stream cannot be read on.
 
     """
     sse, lines = sniff_lines(stream)
-    number = 0
-    for line_number, line in enumerate(lines, start=1):
-        parsed = parse_line(line, sse=sse)
-        if parsed is None:
-            continue
-        number += 1
-        payload, problem = parsed
-        yield Record(number=number, line=line_number, payload=payload, problem=problem)
+    for number, line_number, line, digest in numbered_lines(lines, sse=sse, trail=hashlib.sha256()):
+        payload, problem = parse_line(line, sse=sse, keep_blank=True)  # type: ignore[misc]
+        yield Record(number, line_number, payload, problem, digest)
 
 
 class RequestIndex:
@@ -646,41 +740,57 @@ def _flushed(output: OutputFile) -> Iterator[None]:
         output.flush()
 
 
-def refuse_overwriting(inputs: Mapping[str, str | None], outputs: Mapping[str, str | None]) -> None:
-    """Refuse an output that is one of the inputs, or another output:
-    opening an output truncates it, so the input would be lost before it is
-    read. Keys name the flags, for the message; ``-`` is stdin or stdout.
+Roles = Mapping[str, str | None] | Iterable[tuple[str, str | None]]
+"""Flags and the paths they name, as a mapping or as pairs (shards share a flag)."""
+
+
+def refuse_overwriting(inputs: Roles, outputs: Roles) -> None:
+    """Refuse two roles (inputs, ``--requests``, outputs, ``--errors``)
+    that name one file, whatever the names (a symlink, a hard link, ``./``):
+    opening an output truncates it, so an input would be lost before it is
+    read, and two outputs would mix their lines. Run before anything is
+    opened. Keys name the flags, for the message; ``-`` is stdin or stdout.
 
     Raises:
         InputError: naming the two flags and the file.
 
     """
-    seen: dict[tuple[int, int], str] = {}
-    for flag, path in inputs.items():
-        identity = _file_identity(path, sys.stdin)
-        if identity is not None:
-            seen.setdefault(identity, f"{flag} {path}")
-    for flag, path in outputs.items():
-        identity = _file_identity(path, sys.stdout)
+    seen: dict[tuple[Any, ...], tuple[str, bool]] = {}
+    roles = [(flag, path, False) for flag, path in _pairs(inputs)]
+    roles += [(flag, path, True) for flag, path in _pairs(outputs)]
+    for flag, path, writes in roles:
+        identity = _file_identity(path, sys.stdout if writes else sys.stdin)
         if identity is None:
             continue
         if identity in seen:
-            raise InputError(
-                f"{flag} {path} is the same file as {seen[identity]}; writing it "
-                "would destroy it, so choose another output"
-            )
-        seen[identity] = f"{flag} {path}"
+            other, other_writes = seen[identity]
+            if other_writes:
+                reason = "both would write it and mix their lines, so choose another output"
+            elif writes:
+                reason = "writing it would destroy it, so choose another output"
+            else:
+                reason = "name each file in one role only"
+            raise InputError(f"{flag} {path} is the same file as {other}; {reason}")
+        seen[identity] = (f"{flag} {path}", writes)
 
 
-def _file_identity(path: str | None, standard: Any) -> tuple[int, int] | None:
+def _pairs(roles: Roles) -> Iterable[tuple[str, str | None]]:
+    return roles.items() if isinstance(roles, Mapping) else roles
+
+
+def _file_identity(path: str | None, standard: Any) -> tuple[Any, ...] | None:
     """Device and inode of an existing regular file (`standard` for ``-``),
-    so two names of one file compare equal."""
+    so two names of one file compare equal; for a path that does not exist
+    yet, the path it resolves to (through symlinks, ``..`` and ``./``).
+    Devices, pipes and directories are not files two roles could share."""
     if path is None:
         return None
     try:
         info = os.fstat(standard.fileno()) if path == "-" else os.stat(path)
+    except FileNotFoundError:
+        return None if path == "-" else ("path", os.path.realpath(path))
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return None
     if not stat.S_ISREG(info.st_mode):
         return None
-    return info.st_dev, info.st_ino
+    return ("file", info.st_dev, info.st_ino)

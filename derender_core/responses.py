@@ -28,6 +28,7 @@ from .writers import Assembly
 
 EXPECTED = "expected"
 ACTUAL = "actual"
+_NOT_A_RESPONSE = "not a response: "
 
 
 @dataclass
@@ -45,6 +46,17 @@ class Item:
     @property
     def streamed(self) -> bool:
         return self.chunks is not None
+
+    @property
+    def holds_answer(self) -> bool:
+        """Whether the item is an answer at all (a response, a stream, an
+        error record) rather than other JSON (a request, a derender body):
+        a file of none has nothing to compare."""
+        if self.chunks is not None:
+            return True
+        if self.error is not None:
+            return not self.error.startswith(_NOT_A_RESPONSE)
+        return isinstance(self.response, Mapping) and isinstance(self.response.get("choices"), list)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -118,7 +130,7 @@ def _items_of(path: str) -> Iterator[Item]:
                 elif isinstance(payload, Mapping):
                     item.response = dict(payload)
                 else:
-                    item.error = f"not a response: {payload!r}"[:200]
+                    item.error = f"{_NOT_A_RESPONSE}{payload!r}"[:200]
                 order.append(item)
     yield from order
 

@@ -24,6 +24,8 @@ collects every answer already on its way.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -31,6 +33,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import resource
 import signal
 import sys
 import time
@@ -44,7 +47,7 @@ from typing import Any
 import orjson
 
 from .batch import Job, Outcome, OutcomeSource, RecordProcessor, Restored, stream_key
-from .errors import StreamFailure
+from .errors import ConfigError, StreamFailure
 from .protocol import Answer, Derenderer, StreamAnswer
 from .records import Record, RequestIndex
 
@@ -54,11 +57,47 @@ BATCHES_IN_FLIGHT = 4
 """Batches a worker may hold (queued or in work) at a time."""
 _POLL_SECONDS = 1.0
 _RESET = "reset"
+WORKERS_PER_CPU = 4
+"""More workers than this per usable core only share the same cores."""
+FILES_PER_WORKER = 8
+"""Descriptors this process holds per worker (its two queues' pipes and
+locks, its sentinel), with room to spare."""
+FILES_KEPT = 64
+"""Descriptors left for everything else: inputs, outputs, vLLM's own."""
+_PR_SET_PDEATHSIG = 1
 
 
 def usable_cpus() -> int:
     """CPU cores this process may run on (its affinity, not the machine's)."""
     return len(os.sched_getaffinity(0))
+
+
+def worker_limit() -> tuple[int, str]:
+    """How many workers this machine can hold, and why: a few per usable
+    core, within the open-file and process limits. Checked before the model
+    loads, so ``-j 10000`` is a usage error, not a crash after start-up."""
+    cpus = usable_cpus()
+    limits = [(max(WORKERS_PER_CPU, WORKERS_PER_CPU * cpus), f"{WORKERS_PER_CPU} per usable CPU core, {cpus} cores")]
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files != resource.RLIM_INFINITY:
+        limits.append(((files - FILES_KEPT) // FILES_PER_WORKER, f"the open-file limit (ulimit -n) is {files}"))
+    processes, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if processes != resource.RLIM_INFINITY:
+        limits.append((processes - 1, f"the process limit (ulimit -u) is {processes}"))
+    count, reason = min(limits)
+    return max(count, 1), reason
+
+
+def check_workers(workers: int) -> None:
+    """Refuse a worker count the machine cannot hold.
+
+    Raises:
+        ConfigError: with the limit and what sets it.
+
+    """
+    limit, reason = worker_limit()
+    if workers > limit:
+        raise ConfigError(f"--workers {workers}: at most {limit} on this machine ({reason})")
 
 
 class WorkerLost(StreamFailure):
@@ -97,6 +136,7 @@ class WorkerPool:
     ) -> None:
         if workers < 2:
             raise ValueError("a pool has at least two workers; one runs in process")
+        check_workers(workers)
         started = time.perf_counter()
         self.size = workers
         self.records_in_flight = records_in_flight or workers * BATCHES_IN_FLIGHT * BATCH_RECORDS
@@ -252,6 +292,7 @@ def _work(
     parent: int,
 ) -> None:
     """A worker's loop: batches of records in, batches of outcomes out."""
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Exiting must never wait to flush answers into a pipe nobody reads: a
     # parent killed outright (SIGKILL) leaves the pipe full, and a worker
@@ -287,6 +328,18 @@ def _work(
             outbox.put(_Failed(index, traceback.format_exc()))
             return
         outbox.put(results)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this worker when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``), even in the middle of a batch: an orphan would
+    otherwise work on for minutes, holding the run's stdout and stderr.
+    Elsewhere the loop's poll of the parent still notices, between batches."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took hold
+        os._exit(0)
 
 
 def _pickled(batch: list[Record | Restored]) -> bytes:

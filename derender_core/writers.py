@@ -130,7 +130,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
     server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
-    request gets ``<request_id>.sse`` (unsafe characters replaced by ``_``).
+    request gets ``<request_id>.sse``, the id escaped (`transcript_stem`).
     """
 
     def __init__(self, target: BinaryIO | None = None, directory: Path | None = None) -> None:
@@ -173,7 +173,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
 
     def _file_name(self, request_id: str | None) -> str:
         if request_id not in self._file_names:
-            stem = re.sub(r"[^A-Za-z0-9._-]", "_", request_id or "") or "no-request-id"
+            stem = transcript_stem(request_id)
             if len(stem) > _MAX_STEM:
                 # File names are limited to 255 bytes: keep the start of a
                 # long id and a digest of all of it, so names stay distinct.
@@ -189,6 +189,19 @@ class SseWriter(_GroupedWriter[list[bytes]]):
     def _finish(self) -> None:
         if self._target is not None:
             self._target.flush()
+
+
+def transcript_stem(request_id: str | None) -> str:
+    """A request id as a file name stem, escaped visibly and reversibly:
+    every byte outside ``A-Z a-z 0-9 . _ -`` becomes ``%XX`` (as in a URL),
+    and so does a leading ``.`` or ``-``, so no id makes a hidden file, a
+    name that reads as an option, or two ids one name."""
+    escaped = re.sub(
+        rb"[^A-Za-z0-9._-]", lambda match: b"%%%02X" % match.group()[0], (request_id or "").encode()
+    ).decode("ascii")
+    if escaped[:1] in (".", "-"):
+        escaped = f"%{ord(escaped[0]):02X}{escaped[1:]}"
+    return escaped or "no-request-id"
 
 
 @dataclass

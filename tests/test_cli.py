@@ -162,10 +162,11 @@ def test_bare_generate_response_without_requests_is_an_error_record(cli: CliRunn
     body = read_jsonl(SAMPLE / "chat.jsonl")[0]
     result = invoke(cli, "chat", "-", *SAMPLE_FLAGS, stdin=orjson.dumps(body["generate_response"]) + b"\n\nnot json\n")
     assert result.exit_code == 1
-    first, second = lines_of(result.stdout_bytes)
+    first, blank, second = lines_of(result.stdout_bytes)  # the blank line among records is one
     assert "--requests" in first["error"]["message"]
+    assert blank["error"]["code"] == 400 and "JSON decode error" in blank["error"]["message"]
     assert second["error"]["type"] == "Bad Request" and "JSON decode error" in second["error"]["message"]
-    assert "record 2 (line 3)" in result.stderr
+    assert "record 3 (line 3)" in result.stderr
 
 
 def test_sse_to_a_directory(cli: CliRunner, tmp_path: Path) -> None:

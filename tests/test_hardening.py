@@ -189,9 +189,10 @@ def test_every_bad_record_gets_an_aligned_error_record(cli: CliRunner, qwen3_sta
     result = invoke(cli, "chat", "-", "--errors", str(errors), *FLAGS, stdin=b"\n".join(lines) + b"\n")
     assert result.exit_code == 1
     answers = lines_of(result.stdout_bytes)
-    assert len(answers) == 1 + 2 * len(BAD_RECORDS)
-    assert normalize(answers[0::2]) == normalize([good_answers[3]] * (len(BAD_RECORDS) + 1))
-    for (name, (line, message)), answer in zip(BAD_RECORDS.items(), answers[1::2], strict=True):
+    assert len(answers) == 1 + 3 * len(BAD_RECORDS)  # a blank line among records is a record too
+    assert normalize(answers[0::3]) == normalize([good_answers[3]] * (len(BAD_RECORDS) + 1))
+    assert all(blank["error"]["code"] == 400 for blank in answers[2::3])
+    for (name, (line, message)), answer in zip(BAD_RECORDS.items(), answers[1::3], strict=True):
         # The server's parser gives up on some bodies as a whole; FastAPI's
         # own 400 then says only {"detail": ...}.
         assert message in answer.get("detail", "") or message in answer["error"]["message"], name
@@ -199,8 +200,9 @@ def test_every_bad_record_gets_an_aligned_error_record(cli: CliRunner, qwen3_sta
     assert "Traceback" not in result.stderr
 
     logged = lines_of(gzip.decompress(errors.read_bytes()))
-    assert [(e["input"], e["line"], e["record"]) for e in logged] == [("-", 2 + 3 * k, 2 + 2 * k) for k in range(len(BAD_RECORDS))]
-    assert [e["error"] for e in logged] == [a.get("error", a) for a in answers[1::2]]
+    failed_lines = [line for k in range(len(BAD_RECORDS)) for line in (2 + 3 * k, 3 + 3 * k)]
+    assert [(e["input"], e["line"], e["record"]) for e in logged] == [("-", line, line) for line in failed_lines]
+    assert [e["error"] for e in logged] == [answers[line - 1].get("error", answers[line - 1]) for line in failed_lines]
     details = {e["line"]: e.get("detail") for e in logged}
     assert "nested too deeply" in details[2 + 3 * list(BAD_RECORDS).index("deeply-nested")]
     assert "4300 digits" in details[2 + 3 * list(BAD_RECORDS).index("huge-integer")]
@@ -650,7 +652,16 @@ def test_fuzzed_one_shot_records_through_the_cli(cli: CliRunner, data: st.DataOb
             expected.append(None)
         if data.draw(st.booleans()):
             lines.append(data.draw(st.sampled_from([b"", b"  ", b"\t"])))
-    stdin = b"".join(line + data.draw(line_endings) for line in lines)
+            expected.append(None)  # a blank line among records is a record (not JSON)
+    while not lines[-1].strip():  # blank lines after the last record are not records
+        lines.pop()
+        expected.pop()
+    endings = [data.draw(line_endings) for _ in lines]
+    for position in range(len(lines) - 1):
+        # A lone CR then a blank line ended by LF would be one CRLF, not two lines.
+        if endings[position] == b"\r" and lines[position + 1] == b"" and endings[position + 1].startswith(b"\n"):
+            endings[position] = b"\r\n"
+    stdin = b"".join(line + ending for line, ending in zip(lines, endings, strict=True))
     lenient = data.draw(st.booleans())
     result = invoke(cli, "chat", "-", *FLAGS, *(["--lenient"] if lenient else []), stdin=stdin)
     assert result.exit_code in (0, 1), result.stderr

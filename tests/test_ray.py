@@ -161,3 +161,25 @@ def test_ray_flag_without_ray_says_how_to_install(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert b"pip install 'derender[ray]'" in done.stderr
     assert b"Traceback" not in done.stderr
+
+
+def test_ray_line_reader_numbers_records_as_iter_records_and_fails_on_a_cut_zstd_frame(tmp_path: Path) -> None:
+    """The Ray line reader follows `iter_records`: a blank line among
+    records is a record, trailing blank lines are not; a cut zstd frame is
+    an error, not the end of the input."""
+    import pyarrow as pa
+    import zstandard
+
+    from derender_core.ray_data import _lines_datasource
+
+    data = b'{"a": 1}\n\n  \r\n{"b": 2}\n\n \n'
+    plain = tmp_path / "in.jsonl"
+    plain.write_bytes(data)
+    datasource = _lines_datasource([str(plain)])
+    rows = [row for table in datasource._read_stream(pa.OSFile(str(plain)), str(plain)) for row in table.to_pylist()]
+    assert [(row["record"], row["key"]) for row in rows] == [(r.number, r.line) for r in iter_records(io.BytesIO(data))]
+    assert len(rows) == 4
+    cut = tmp_path / "in.jsonl.zst"
+    cut.write_bytes(zstandard.ZstdCompressor().compress(data * 50)[:-5])
+    with pytest.raises(EOFError, match="the last zstd frame is cut short"):
+        list(datasource._read_stream(pa.OSFile(str(cut)), str(cut)))

@@ -30,7 +30,7 @@ from derender_core import (
     open_input,
     refuse_overwriting,
 )
-from derender_core.records import derender_body, parse_line
+from derender_core.records import JsonProblem, derender_body, parse_line
 from tests.helpers import slow_pipe
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text() | st.floats(
@@ -104,14 +104,22 @@ def test_big_integers_stay_exact_as_the_server_reads_them(number: int) -> None:
 )
 @settings(max_examples=60)
 def test_records_are_numbered_and_keep_their_line(items: list[tuple[str, Any]], sse: bool) -> None:
-    """In JSONL every line that is not blank is a record; in an SSE capture
-    (data: lines) the [DONE] marker is not."""
+    """In JSONL every line is a record up to the last one that is not blank
+    (a blank line among records is a record that is not JSON, so output
+    line i answers input line i; blank lines after the last record are not
+    records); in an SSE capture (data: lines) blank lines and the [DONE]
+    marker are not."""
     if not sse:
         items = [(kind, v) for kind, v in items if kind != "done"]
     prefix = b"data: " if sse else b""
     lines = [prefix + orjson.dumps(v) if kind == "record" else v for kind, v in items]
     records = list(iter_records(io.BytesIO(b"\n".join(lines) + b"\n")))
-    expected = [(n, v) for n, (kind, v) in enumerate(items, start=1) if kind == "record"]
+    if sse:
+        expected = [(n, v) for n, (kind, v) in enumerate(items, start=1) if kind == "record"]
+    else:
+        last = max((n for n, (kind, _) in enumerate(items, start=1) if kind == "record"), default=0)
+        expected = [(n, v if kind == "record" else None) for n, (kind, v) in enumerate(items[:last], start=1)]
+        assert all((r.problem is None) == (items[r.line - 1][0] == "record") for r in records)
     assert [(r.line, r.payload) for r in records] == expected
     assert [r.number for r in records] == list(range(1, len(expected) + 1))
 
@@ -335,7 +343,8 @@ def test_lines_end_in_lf_crlf_or_cr_however_the_reads_split_them(lines: list[tup
 def test_cr_only_line_endings_are_lines() -> None:
     data = b'{"a": 1}\r{"a": 2}\r\r{"a": 3}'
     records = list(iter_records(io.BytesIO(data)))
-    assert [(r.line, r.payload) for r in records] == [(1, {"a": 1}), (2, {"a": 2}), (4, {"a": 3})]
+    assert [(r.line, r.payload) for r in records] == [(1, {"a": 1}), (2, {"a": 2}), (3, None), (4, {"a": 3})]
+    assert records[2].problem == JsonProblem("Expecting value", 0)  # the blank line between
 
 
 # --- gzip: detection on a slow pipe, truncated and corrupt streams ---------------
@@ -369,6 +378,45 @@ def test_a_broken_gzip_input_fails_the_stream_after_the_good_records(tmp_path: P
             seen.append(record.payload["n"])
     assert str(path) in str(failure.value)
     assert seen == list(range(len(seen)))
+
+
+def _zstd_frames(count: int, per_frame: int) -> bytes:
+    import zstandard
+
+    lines = [orjson.dumps({"n": i, "pad": "x" * 200}) + b"\n" for i in range(count)]
+    compressor = zstandard.ZstdCompressor()
+    return b"".join(compressor.compress(b"".join(lines[i : i + per_frame])) for i in range(0, count, per_frame))
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda packed: packed[: len(packed) * 2 // 3], "ends early \\(the last zstd frame is cut short\\)"),
+        (lambda packed: packed[:-3], "ends early \\(the last zstd frame is cut short\\)"),
+        (lambda packed: packed[:300] + bytes(b ^ 0x5A for b in packed[300:500]) + packed[500:], "corrupt zstd data"),
+        (lambda packed: packed + b"trailing garbage", "corrupt zstd data"),
+    ],
+    ids=["truncated", "last-frame-cut", "corrupt", "garbage-after"],
+)
+@pytest.mark.parametrize("per_frame", [500, 7])
+def test_a_broken_zstd_input_fails_the_stream_after_the_good_records(tmp_path: Path, mangle: Any, message: str, per_frame: int) -> None:
+    """As gzip: one frame or many, a cut or corrupt stream never reads as
+    a complete one."""
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(mangle(_zstd_frames(500, per_frame)))
+    seen = []
+    with pytest.raises(StreamFailure, match=message) as failure, open_input(str(path)) as stream:
+        for record in iter_records(stream):
+            seen.append(record.payload["n"])
+    assert str(path) in str(failure.value)
+    assert seen == list(range(len(seen))) and len(seen) < 500
+
+
+def test_a_whole_zstd_input_of_many_frames_reads_in_full(tmp_path: Path) -> None:
+    path = tmp_path / "whole.jsonl.zst"
+    path.write_bytes(_zstd_frames(500, 7))
+    with open_input(str(path)) as stream:
+        assert [record.payload["n"] for record in iter_records(stream)] == list(range(500))
 
 
 @pytest.mark.parametrize(

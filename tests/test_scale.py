@@ -464,7 +464,9 @@ def test_cli_shards_gz_zst_and_parquet_into_a_directory(qwen3_stack: Stack, tmp_
         cwd=REPO, env=offline_env(), capture_output=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr.decode()[-2000:]  # the error bodies
-    assert sorted(p.name for p in out.iterdir()) == ["part-0.jsonl.gz", "part-1.jsonl.zst", "part-2.parquet"]
+    names = sorted(p.name for p in out.iterdir())
+    shard_outputs = ["part-0.jsonl.gz", "part-1.jsonl.zst", "part-2.parquet"]
+    assert names == sorted([*shard_outputs, *(f".{name}.derender.json" for name in shard_outputs)])  # and their manifests
     job = Job(Endpoint.CHAT)
     assert normalized_bytes(gzip.decompress((out / "part-0.jsonl.gz").read_bytes())) == normalized_bytes(derendered(stack.engine, job, lines[:5])[0])
     with open_input(str(out / "part-1.jsonl.zst")) as answers:

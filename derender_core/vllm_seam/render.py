@@ -310,7 +310,11 @@ class DerenderEngine(CodeAPI):
             create_error_response,
         )
 
-        return _json_answer(create_error_response(message).model_dump(), 400)
+        response = create_error_response(message)
+        # vLLM hides file paths from a server's clients; these messages are
+        # derender's own, for the user who named the files (--requests).
+        response.error.message = message.strip()
+        return _json_answer(response.model_dump(), 400)
 
     @staticmethod
     def chat_response(fields: Mapping[str, Any]) -> dict[str, Any]:
