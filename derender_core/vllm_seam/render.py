@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
-from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
+from .stack import (
+    derender_stack,
+    lean_start,
+    prepare_environment,
+    server_args,
+    show_warnings_from_now_on,
+)
 
 _T = TypeVar("_T")
 
@@ -105,15 +111,16 @@ class DerenderEngine:
         config.check_paths()
         quiet_startup = prepare_environment()
 
-        args = server_args(config)
-        try:
-            from .live import LiveDerenderer
+        with lean_start():
+            args = server_args(config)
+            try:
+                from .live import LiveDerenderer
 
-            serving = derender_stack(args, LiveDerenderer)
-        except Exception as exc:
-            # Whatever stops vLLM's stack from starting stops the server
-            # too: a configuration problem, reported without a traceback.
-            raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
+                serving = derender_stack(args, LiveDerenderer, single_threaded=True)
+            except Exception as exc:
+                # Whatever stops vLLM's stack from starting stops the server
+                # too: a configuration problem, reported without a traceback.
+                raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
         engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live)
