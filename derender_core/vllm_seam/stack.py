@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config import RenderConfig
@@ -37,16 +37,8 @@ def prepare_environment() -> bool:
         shown when the user chose a log level (``VLLM_LOGGING_LEVEL``).
 
     """
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stdout") == "ext://sys.stdout":
-        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    os.environ.update(environment_with_defaults(os.environ))
     quiet_startup = "VLLM_LOGGING_LEVEL" not in os.environ
-    if quiet_startup:
-        os.environ.setdefault("TORCH_LOGS", "-torch")
     # vLLM configures its loggers only in its own entry points; without a
     # handler its records would reach Python's last-resort handler.
     vllm_logger = logging.getLogger("vllm")
@@ -60,6 +52,23 @@ def prepare_environment() -> bool:
         raise ConfigError(f"VLLM_LOGGING_LEVEL={level!r} is not a logging level")
     vllm_logger.setLevel(level)
     return quiet_startup
+
+
+def environment_with_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with the settings `prepare_environment` gives vLLM: what
+    vLLM reads at import in a process started with `environ` (the warm
+    server compares a call's with its own)."""
+    env = dict(environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if env.get("VLLM_LOGGING_STREAM", "ext://sys.stdout") == "ext://sys.stdout":
+        env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    if "VLLM_LOGGING_LEVEL" not in env:
+        env.setdefault("TORCH_LOGS", "-torch")
+    return env
 
 
 def show_warnings_from_now_on() -> None:
