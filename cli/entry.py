@@ -148,9 +148,11 @@ class Replies:
         return json.loads(line)
 
 
-def request(message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any] | None:
+def request(
+    message: dict[str, Any], timeout: float = 10.0, directory: str | None = None
+) -> dict[str, Any] | None:
     """A control call (status, stop); None when no server answers."""
-    sock, _ = connect(server_directory(), timeout)
+    sock, _ = connect(directory or server_directory(), timeout)
     if sock is None:
         return None
     with sock:

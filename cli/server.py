@@ -229,6 +229,7 @@ class WarmServer:
     # -- the loop -------------------------------------------------------
 
     def serve_forever(self) -> None:
+        self.last_activity = time.monotonic()  # idle from now, not from before the warm-up
         while True:
             self._reap()
             if self.stopping:
@@ -496,6 +497,7 @@ class WarmServer:
             "rss_mib": _rss_mib(),
             "calls_served": self.served,
             "calls_running": len(self.calls),
+            "children": sorted(self.calls),
             "max_engines": self.max_engines,
             "versions": self.versions,
             "engines": [
