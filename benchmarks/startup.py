@@ -62,6 +62,17 @@ def timed(argv: list[str], env: dict[str, str], runs: int) -> tuple[float, bytes
     return statistics.median(times), stdout
 
 
+def interleaved(commands: dict[str, tuple[list[str], dict[str, str]]], runs: int) -> dict[str, float]:
+    """Median wall seconds of each command, the runs taken in turn (one of
+    each, then again), so that a change in the machine's load falls on all
+    of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, (argv, env) in commands.items():
+            times[name].append(timed(argv, env, 1)[0])
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def row(label: str, seconds: float, note: str = "") -> None:
     print(f"| {label} | {seconds:.2f} |{' ' + note if note else ''}")
 
@@ -185,8 +196,9 @@ def main() -> None:
           f"medians of {runs} runs, wall clock\n")  # fmt: skip
 
     help_seconds, _ = timed([str(DERENDER), "--help"], base_env(), runs)
-    yardstick, _ = timed(YARDSTICK, base_env(), runs)
-    fresh, fresh_stdout = timed(cli, base_env(), runs)
+    _, fresh_stdout = timed(cli, base_env(), 1)  # also warms the OS's file cache
+    against = interleaved({"yardstick": (YARDSTICK, base_env()), "fresh": (cli, base_env())}, runs)
+    yardstick, fresh = against["yardstick"], against["fresh"]
     first, later, same = warm(runs, fresh_stdout)
     print("| run | s | |\n| --- | ---: | --- |")
     row("`derender --help`", help_seconds)
@@ -197,22 +209,26 @@ def main() -> None:
         f"(target at most 1 s); output identical to the fresh run's: {'yes' if same else 'NO'}")  # fmt: skip
 
     if not args.skip_steps:
-        print("\n| lean start | quick start, s |\n| --- | ---: |")
-        row("every step off (`DERENDER_LEAN_OFF=all`)", timed(cli, base_env(DERENDER_LEAN_OFF="all"), runs)[0])
-        for step in ("pool", "gc", "marker"):
-            row(f"all on but `{step}`", timed(cli, base_env(DERENDER_LEAN_OFF=step), runs)[0])
-        row("every step on", fresh)
+        print("\n| lean start (each run in turn) | quick start, s |\n| --- | ---: |")
+        variants = {"every step off (`DERENDER_LEAN_OFF=all`)": "all"}
+        variants.update({f"all on but `{step}`": step for step in ("pool", "gc", "marker")})
+        variants["every step on"] = ""
+        steps = interleaved({label: (cli, base_env(DERENDER_LEAN_OFF=off)) for label, off in variants.items()}, runs)
+        for label, seconds in steps.items():
+            row(label, seconds)
     if not args.skip_install:
         print("\n| first run after install (empty `VLLM_CACHE_ROOT`) | s |\n| --- | ---: |")
-        for label, off in (("vLLM's model-class inspection in a subprocess", "modelinfo"), ("in process (`modelinfo`)", "")):
-            times = []
-            for _ in range(runs):
+        install = {"vLLM's model-class inspection in a subprocess": "modelinfo", "in process (`modelinfo`)": ""}
+        times: dict[str, list[float]] = {label: [] for label in install}
+        for _ in range(runs):
+            for label, off in install.items():
                 cache = tempfile.mkdtemp(prefix="derender-bench-vllm-cache-")
                 try:
-                    times.append(timed(cli, base_env(VLLM_CACHE_ROOT=cache, DERENDER_LEAN_OFF=off), 1)[0])
+                    times[label].append(timed(cli, base_env(VLLM_CACHE_ROOT=cache, DERENDER_LEAN_OFF=off), 1)[0])
                 finally:
                     shutil.rmtree(cache, ignore_errors=True)
-            row(label, statistics.median(times))
+        for label, values in times.items():
+            row(label, statistics.median(values))
 
     print("\n| phase of a fresh quick start (`--probe`) | s |\n| --- | ---: |")
     for name, seconds in phases(runs).items():

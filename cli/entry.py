@@ -199,6 +199,10 @@ def forward(argv: list[str]) -> int | None:
             "cwd": os.getcwd(),
             "env": dict(os.environ),
             "umask": umask,
+            # What a fresh process would inherit and the child must too:
+            # `-j`'s default counts the CPUs this process may use.
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "niceness": os.getpriority(os.PRIO_PROCESS, 0),
             "fds": fds,
             "versions": versions(),
         }
@@ -231,8 +235,17 @@ def _follow(replies: Replies, child: int) -> int:
         except ProcessLookupError:
             pass
 
+    def suspend(signum: int, frame: object) -> None:
+        # Ctrl-Z: stop the child with this process, continue it with it.
+        pass_on(signal.SIGSTOP, None)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)
+        signal.signal(signal.SIGTSTP, suspend)
+        pass_on(signal.SIGCONT, None)
+
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, pass_on)
+    signal.signal(signal.SIGTSTP, suspend)
     while True:
         try:
             reply = replies.next()

@@ -435,6 +435,10 @@ class WarmServer:
                 os.close(target)
             os.chdir(message["cwd"])
             os.umask(int(message["umask"]))
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                os.sched_setaffinity(0, message["affinity"])
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                os.setpriority(os.PRIO_PROCESS, 0, int(message["niceness"]))
             os.environ.clear()
             os.environ.update(message["env"])
             for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
