@@ -103,7 +103,9 @@ def probe() -> None:
     marks = {"process": time.time()}
     import gc
 
-    gc.disable()
+    lean = not {"gc", "all"} & set(os.environ.get("DERENDER_LEAN_OFF", "").split(","))
+    if lean:
+        gc.disable()  # as derender_cli.entry.run_fresh
     sys.path.insert(0, str(REPO))
     from derender_cli import main as cli
 
@@ -143,7 +145,8 @@ def probe() -> None:
     except SystemExit as exc:
         code = exc.code
     finally:
-        gc.freeze()
+        if lean:
+            gc.freeze()
     marks["renderer_from_config start"], marks["renderer_from_config end"] = spans["renderer_from_config"]
     marks["records start"], marks["records end"] = spans["records"]
     marks["exit"] = time.time()
@@ -151,38 +154,49 @@ def probe() -> None:
     sys.exit(code)
 
 
-def phases(runs: int) -> dict[str, float]:
-    """Median seconds per phase of `probe` runs."""
-    found: dict[str, list[float]] = {}
+def phases(runs: int, variants: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Median seconds per phase of `probe` runs, per variant (a
+    ``DERENDER_LEAN_OFF`` value), the variants' runs taken in turn."""
+    found: dict[str, dict[str, list[float]]] = {variant: {} for variant in variants}
     for _ in range(runs):
-        started = time.time()
-        done = subprocess.run([sys.executable, __file__, "--probe"], capture_output=True, cwd=REPO, env=base_env())
-        ended = time.time()
-        if done.returncode != 0:
-            sys.exit(f"probe failed:\n{done.stderr.decode()[-3000:]}")
-        marks = json.loads(done.stderr.decode().strip().splitlines()[-1])
-        spans = {
-            "Python start-up, Typer, Rich, derender": marks["cli imported"] - started,
-            "imports: torch, transformers, vllm.config": marks["torch, transformers, vllm.config"] - marks["cli imported"],
-            "imports: the rest of vLLM's render stack": marks["vllm imported"] - marks["torch, transformers, vllm.config"],
-            "build: vLLM's argument parser, model config, derenderer": (
-                marks["records start"] - marks["vllm imported"]
-                - (marks["renderer_from_config end"] - marks["renderer_from_config start"])
-            ),
-            "build: `renderer_from_config`": marks["renderer_from_config end"] - marks["renderer_from_config start"],
-            "the first 4 records": marks["records end"] - marks["records start"],
-            "summary, exit and teardown": ended - marks["records end"],
-            "total": ended - started,
-        }
-        for name, seconds in spans.items():
-            found.setdefault(name, []).append(seconds)
-    return {name: statistics.median(values) for name, values in found.items()}
+        for variant, off in variants.items():
+            for name, seconds in _probe_once(off).items():
+                found[variant].setdefault(name, []).append(seconds)
+    return {
+        variant: {name: statistics.median(values) for name, values in spans.items()}
+        for variant, spans in found.items()
+    }
+
+
+def _probe_once(off: str) -> dict[str, float]:
+    started = time.time()
+    done = subprocess.run(
+        [sys.executable, __file__, "--probe"], capture_output=True, cwd=REPO, env=base_env(DERENDER_LEAN_OFF=off)
+    )
+    ended = time.time()
+    if done.returncode != 0:
+        sys.exit(f"probe failed:\n{done.stderr.decode()[-3000:]}")
+    marks = json.loads(done.stderr.decode().strip().splitlines()[-1])
+    spans = {
+        "Python start-up, Typer, Rich, derender": marks["cli imported"] - started,
+        "imports: torch, transformers, vllm.config": marks["torch, transformers, vllm.config"] - marks["cli imported"],
+        "imports: the rest of vLLM's render stack": marks["vllm imported"] - marks["torch, transformers, vllm.config"],
+        "build: vLLM's argument parser, model config, derenderer": (
+            marks["records start"] - marks["vllm imported"]
+            - (marks["renderer_from_config end"] - marks["renderer_from_config start"])
+        ),
+        "build: `renderer_from_config`": marks["renderer_from_config end"] - marks["renderer_from_config start"],
+        "the first 4 records": marks["records end"] - marks["records start"],
+        "summary, exit and teardown": ended - marks["records end"],
+        "total": ended - started,
+    }
+    return spans
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--skip-steps", action="store_true", help="Skip the per-step comparison.")
+    parser.add_argument("--skip-steps", action="store_true", help="Phases of the lean start only, no step off.")
     parser.add_argument("--skip-install", action="store_true", help="Skip the first-run-after-install comparison.")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -208,14 +222,6 @@ def main() -> None:
     row("quick start, warm server: later calls", later,
         f"(target at most 1 s); output identical to the fresh run's: {'yes' if same else 'NO'}")  # fmt: skip
 
-    if not args.skip_steps:
-        print("\n| lean start (each run in turn) | quick start, s |\n| --- | ---: |")
-        variants = {"every step off (`DERENDER_LEAN_OFF=all`)": "all"}
-        variants.update({f"all on but `{step}`": step for step in ("pool", "gc", "marker")})
-        variants["every step on"] = ""
-        steps = interleaved({label: (cli, base_env(DERENDER_LEAN_OFF=off)) for label, off in variants.items()}, runs)
-        for label, seconds in steps.items():
-            row(label, seconds)
     if not args.skip_install:
         print("\n| first run after install (empty `VLLM_CACHE_ROOT`) | s |\n| --- | ---: |")
         install = {"vLLM's model-class inspection in a subprocess": "modelinfo", "in process (`modelinfo`)": ""}
@@ -230,9 +236,16 @@ def main() -> None:
         for label, values in times.items():
             row(label, statistics.median(values))
 
-    print("\n| phase of a fresh quick start (`--probe`) | s |\n| --- | ---: |")
-    for name, seconds in phases(runs).items():
-        row(name, seconds)
+    variants = {"lean": ""}
+    if not args.skip_steps:
+        variants.update({f"{step} off": step for step in ("pool", "gc", "marker")})
+        variants["all off"] = "all"
+    table = phases(runs, variants)
+    print("\n| phase of a fresh quick start (`--probe`; s, lean and with steps off, `DERENDER_LEAN_OFF`) | "
+          + " | ".join(variants) + " |")  # fmt: skip
+    print("| --- |" + " ---: |" * len(variants))
+    for name in table["lean"]:
+        print(f"| {name} | " + " | ".join(f"{table[variant][name]:.2f}" for variant in variants) + " |")
 
 
 if __name__ == "__main__":

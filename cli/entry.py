@@ -281,14 +281,19 @@ def run_fresh(argv: list[str]) -> None:
     """
     import gc
 
-    gc.disable()
+    # DERENDER_LEAN_OFF=gc (or all) is benchmarks/startup.py measuring
+    # what this saves (`derender_core.vllm_seam.stack.LEAN_STEPS`).
+    lean = not {"gc", "all"} & set(os.environ.get("DERENDER_LEAN_OFF", "").split(","))
+    if lean:
+        gc.disable()
     try:
         from .main import main as cli_main
 
         gc.enable()  # the build turns it off again while it runs
         cli_main(argv)
     finally:
-        gc.freeze()
+        if lean:
+            gc.freeze()
 
 
 def main() -> None:

@@ -235,6 +235,50 @@ def test_a_signal_to_the_client_stops_the_run_as_a_fresh_one(
     assert all(json.loads(line)["object"] == "chat.completion" for line in lines)
 
 
+def _on_a_terminal(server: Server, args: list[str], fresh: bool) -> tuple[int, bytes]:
+    """Run with stderr on a pseudo-terminal; the exit status and what the
+    terminal showed."""
+    master, slave = os.openpty()
+    env = {**server.env, "TERM": "xterm", "COLUMNS": "120"}
+    if fresh:
+        env["DERENDER_NO_SERVER"] = "1"
+    client = subprocess.Popen([CLI, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    return client.wait(timeout=300), shown
+
+
+def test_the_progress_display_reaches_the_callers_terminal(server: Server, big_input: Path) -> None:
+    args = ["chat", str(big_input), *CONFIG, "-j", "1", "-o", os.devnull]
+    fresh_status, fresh_shown = _on_a_terminal(server, args, fresh=True)
+    warm_status, warm_shown = _on_a_terminal(server, args, fresh=False)
+    assert fresh_status == warm_status == 0
+    # The live display (cursor control, a bar) on the terminal, as fresh.
+    for shown in (fresh_shown, warm_shown):
+        assert b"\x1b[" in shown and b"records" in shown, shown[-500:]
+    assert b"model (warm)" in warm_shown
+
+
+def test_the_callers_cpus_are_the_calls(server: Server) -> None:
+    """`-j`'s default counts the CPUs the caller may use, not the server's."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    one_cpu = server.run(*CALLS["chat"], preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    all_cpus = server.run(*CALLS["chat"])
+    assert one_cpu.returncode == all_cpus.returncode == 0
+    assert b"model (warm)" in one_cpu.stderr and b"workers" not in one_cpu.stderr
+    assert f"{len(os.sched_getaffinity(0))} workers".encode() in all_cpus.stderr
+
+
 def test_two_concurrent_clients(server: Server) -> None:
     expected = {name: server.fresh_results.get(name) or server.run(*CALLS[name], fresh=True) for name in ("chat", "stream-sse")}
     clients = {name: server.popen(*CALLS[name]) for name in expected}
