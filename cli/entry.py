@@ -254,8 +254,12 @@ def _follow(replies: Replies, child: int) -> int:
         except (OSError, ValueError):
             reply = None
         if reply is None:
-            # The server died mid-call and took its child with it.
-            pass_on(signal.SIGKILL, None)
+            # The server died mid-call and took its child with it; the
+            # child's workers (its process group) follow.
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass_on(signal.SIGKILL, None)
             print("derender: the warm server went away mid-call; the run could not finish", file=sys.stderr)
             return 3
         if reply.get("event") != "exit":

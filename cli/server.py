@@ -414,6 +414,10 @@ class WarmServer:
     def _child(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
         status = 3
         try:
+            # The call's own process group, which its workers join: whoever
+            # ends the call for good (the client, when this server dies)
+            # ends them all.
+            os.setpgid(0, 0)
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             signal.set_wakeup_fd(-1)
@@ -526,8 +530,8 @@ class WarmServer:
             self._reap()
             time.sleep(0.05)
         for pid in list(self.calls):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         while self.calls:
             self._reap()
             time.sleep(0.01)
