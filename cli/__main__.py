@@ -1,5 +1,5 @@
 """``python -m derender_cli``."""
 
-from .main import main
+from .entry import main
 
 main()

@@ -16,6 +16,7 @@ import inspect
 import io
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -343,8 +344,7 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         console = Console(stderr=True, highlight=False, soft_wrap=True)
         verbose = bool(kwargs.get("verbose"))
         try:
-            config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
-            config = config.overridden_by(flags)
+            config = render_config(config_path, flags)
             code = command(config=config, console=console, **kwargs)
         except DerenderError as exc:
             console.print(f"derender: error: {exc}", markup=False)
@@ -385,6 +385,33 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
         **_RENDER_OPTIONS,
     }
     return wrapper
+
+
+def render_config(config_path: Path | str | None, flags: dict[str, Any]) -> RenderConfig:
+    """The settings a command runs with: ``--config``, then the flags given."""
+    config = RenderConfig.from_yaml(config_path) if config_path else RenderConfig()
+    return config.overridden_by(flags)
+
+
+WarmEngines = Callable[[RenderConfig], DerenderEngine | None]
+warm_engines: WarmEngines | None = None
+"""Set by the warm server (``cli/server.py``) in the child it forks per
+call: the engine it already built for these settings, if any."""
+
+
+def _build_engine(
+    engine_class: type[DerenderEngine], config: RenderConfig, live: bool, decode: str = "fast"
+) -> tuple[DerenderEngine, str]:
+    """The engine for the run, and how the summary names its start-up:
+    the warm server's, when it holds one for exactly these settings."""
+    if warm_engines is not None and engine_class is DerenderEngine:
+        started = time.perf_counter()
+        engine = warm_engines(config)
+        if engine is not None:
+            engine = engine.in_mode(live=live, decode=decode)
+            engine.startup_seconds = time.perf_counter() - started
+            return engine, "model (warm)"
+    return engine_class.build(config, live=live, decode=decode), "model"
 
 
 def _discard_stdout() -> None:
@@ -535,9 +562,9 @@ def _derender_here(
             error_log = ErrorLog(resources.enter_context(open_output(str(flags.errors))), plan[0][0])
         progress = resources.enter_context(ProgressDisplay(console, enabled=not flags.quiet))
         progress.loading(config.model or "")
-        engine = engine_class.build(config, live=live, decode=decode)
+        engine, startup_name = _build_engine(engine_class, config, live, decode)
         resources.callback(engine.close)
-        summary.startup["model"] = engine.startup_seconds
+        summary.startup[startup_name] = engine.startup_seconds
         job = Job(
             endpoint=job_endpoint,
             stream=stream_format is not None,
@@ -1067,7 +1094,7 @@ def _parity_engines(config: RenderConfig, paths: list[str], resources: contextli
     """One render stack for the derender paths, one serve stack for the serve paths."""
     engines: dict[str, Derenderer] = {}
     if set(DERENDER_MODES) & set(paths):
-        derender = DerenderEngine.build(config)
+        derender, _ = _build_engine(DerenderEngine, config, live=False)
         resources.callback(derender.close)
         engines.update({path: derender.in_mode(**DERENDER_MODES[path]) for path in paths if path in DERENDER_MODES})
     if {"serve", "serve-oneshot"} & set(paths):
@@ -1121,6 +1148,55 @@ def diff(
     if not quiet:
         console.print(f"derender: diff: {len(found)} divergences", markup=False)
     raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
+
+
+server_app = typer.Typer(
+    name="server",
+    help=(
+        "A per-user warm server for shell pipelines: it keeps vLLM imported and built "
+        "engines in memory, and answers every chat, completion, stream, parity and diff "
+        "call while it runs (pass --no-server, or set DERENDER_NO_SERVER=1, to run one "
+        "fresh). Output and exit statuses are a fresh process's."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+app.add_typer(server_app)
+
+
+@server_app.command("start")
+def server_start(
+    idle_timeout: Annotated[
+        str,
+        typer.Option("--idle-timeout", metavar="DURATION", help="Exit after this long without calls: 90s, 15m, 2h; 0 never."),
+    ] = "30m",
+    engines: Annotated[
+        int,
+        typer.Option("--engines", min=1, metavar="N", help="Built engines kept (least recently used out first); each holds a tokenizer, ~1.4 GB for Qwen3."),
+    ] = 2,
+) -> None:
+    """Start the server in the background; returns once it answers."""
+    from .server import start
+
+    raise typer.Exit(start(idle_timeout, engines))
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Show the engines held, memory and idle time; exit 0 only while a server runs."""
+    from .server import status
+
+    raise typer.Exit(status())
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the server and every call it is answering."""
+    from .server import stop
+
+    raise typer.Exit(stop())
 
 
 def version_callback(value: bool) -> None:

@@ -29,6 +29,14 @@ from tests.helpers import REPO, SAMPLE, TOKENIZER_CACHE_VARIABLES, RenderServer,
 EMPTY_TOKENIZER_CACHE = Path(tempfile.mkdtemp(prefix="derender-tests-empty-cache-"))
 os.environ.update(dict.fromkeys(TOKENIZER_CACHE_VARIABLES, str(EMPTY_TOKENIZER_CACHE)))
 atexit.register(shutil.rmtree, EMPTY_TOKENIZER_CACHE, ignore_errors=True)
+# No test reaches a `derender server` the user runs: every `derender` the
+# suite starts runs fresh, and any client looks for a server in a directory
+# of the suite's own. tests/test_server.py starts its own server, in a
+# directory of its own, and lifts the bypass for its calls only.
+SERVER_DIRECTORY = Path(tempfile.mkdtemp(prefix="derender-tests-server-"))
+os.environ["DERENDER_NO_SERVER"] = "1"
+os.environ["DERENDER_SERVER_DIR"] = str(SERVER_DIRECTORY)
+atexit.register(shutil.rmtree, SERVER_DIRECTORY, ignore_errors=True)
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,

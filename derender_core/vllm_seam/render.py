@@ -29,7 +29,13 @@ from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
-from .stack import derender_stack, prepare_environment, server_args, show_warnings_from_now_on
+from .stack import (
+    derender_stack,
+    lean_start,
+    prepare_environment,
+    server_args,
+    show_warnings_from_now_on,
+)
 
 DECODE_MODES = ("fast", "reference")
 """``--decode``: "fast" (the default) or "reference", vLLM's own per-token
@@ -120,15 +126,16 @@ class DerenderEngine(CodeAPI):
         quiet_startup = prepare_environment()
         config.check_paths()
 
-        args = server_args(config)
-        try:
-            from .live import LiveDerenderer
+        with lean_start():
+            args = server_args(config)
+            try:
+                from .live import LiveDerenderer
 
-            serving = derender_stack(args, LiveDerenderer)
-        except Exception as exc:
-            # Whatever stops vLLM's stack from starting stops the server
-            # too: a configuration problem, reported without a traceback.
-            raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
+                serving = derender_stack(args, LiveDerenderer, single_threaded=True)
+            except Exception as exc:
+                # Whatever stops vLLM's stack from starting stops the server
+                # too: a configuration problem, reported without a traceback.
+                raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
         engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live, decode=decode)

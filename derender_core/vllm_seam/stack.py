@@ -9,9 +9,13 @@ and ``app_state.py``).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import logging
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config import RenderConfig
@@ -33,16 +37,8 @@ def prepare_environment() -> bool:
         shown when the user chose a log level (``VLLM_LOGGING_LEVEL``).
 
     """
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stdout") == "ext://sys.stdout":
-        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    os.environ.update(environment_with_defaults(os.environ))
     quiet_startup = "VLLM_LOGGING_LEVEL" not in os.environ
-    if quiet_startup:
-        os.environ.setdefault("TORCH_LOGS", "-torch")
     # vLLM configures its loggers only in its own entry points; without a
     # handler its records would reach Python's last-resort handler.
     vllm_logger = logging.getLogger("vllm")
@@ -56,6 +52,23 @@ def prepare_environment() -> bool:
         raise ConfigError(f"VLLM_LOGGING_LEVEL={level!r} is not a logging level")
     vllm_logger.setLevel(level)
     return quiet_startup
+
+
+def environment_with_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with the settings `prepare_environment` gives vLLM: what
+    vLLM reads at import in a process started with `environ` (the warm
+    server compares a call's with its own)."""
+    env = dict(environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if env.get("VLLM_LOGGING_STREAM", "ext://sys.stdout") == "ext://sys.stdout":
+        env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    if "VLLM_LOGGING_LEVEL" not in env:
+        env.setdefault("TORCH_LOGS", "-torch")
+    return env
 
 
 def show_warnings_from_now_on() -> None:
@@ -122,8 +135,47 @@ def registered_parsers() -> list[tuple[str, str]]:
     )
 
 
+LEAN_STEPS = ("pool", "gc", "marker", "modelinfo")
+"""The lean start-up's steps (`lean_start`, `derender_stack`); each can be
+turned off with ``DERENDER_LEAN_OFF=pool,gc,...`` so that
+``benchmarks/startup.py`` measures what each one saves."""
+
+
+def _lean(step: str) -> bool:
+    off = {name.strip() for name in os.environ.get("DERENDER_LEAN_OFF", "").split(",")}
+    return step not in off and "all" not in off
+
+
+@contextlib.contextmanager
+def lean_start() -> Iterator[None]:
+    """Hold the garbage collector off while vLLM is imported and the stack
+    built, then freeze the heap.
+
+    Start-up creates millions of long-lived objects (modules, the
+    tokenizer's vocabulary and merges), and every collection pass walks
+    them all again: about 3 s of a 2-core start-up. Frozen, they are never
+    walked again, neither by later collections nor at interpreter exit, and
+    forked workers do not copy the pages the collector would touch.
+    """
+    if not _lean("gc"):
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
+
+
 def derender_stack(
-    args: Namespace, derenderer_class: type | None = None, *, renderer: Any | None = None
+    args: Namespace,
+    derenderer_class: type | None = None,
+    *,
+    renderer: Any | None = None,
+    single_threaded: bool = False,
 ) -> Any:
     """`init_render_app_state`'s derender half: the served names, the
     renderer and ``OnlineDerenderer``, behind ``ServingDerender``.
@@ -136,6 +188,12 @@ def derender_stack(
     earlier for the same model without parser flags: they do not depend on
     the parsers, and loading them is most of the start-up, so trying every
     registered parser on one tokenizer costs one load.
+
+    `single_threaded` is for a caller that runs the renderer's work inline
+    (`DerenderEngine`'s ``_InlineExecutor``) and forks its workers: the
+    renderer is built without vLLM's tokenizer thread pool
+    (`_no_tokenizer_pool`), and vLLM's model-class inspection runs in this
+    process (`_model_info_in_process`).
     """
     from vllm import AsyncEngineArgs, envs
     from vllm.config import VllmConfig
@@ -149,7 +207,8 @@ def derender_stack(
 
     if renderer is None:
         engine_args = AsyncEngineArgs.from_cli_args(args)
-        model_config = engine_args.create_model_config()
+        with _model_info_in_process() if single_threaded else contextlib.nullcontext():
+            model_config = engine_args.create_model_config()
         # As the render server: no inference, so no quantized kernels to
         # validate and no KV cache to size.
         model_config.quantization = None
@@ -159,7 +218,10 @@ def derender_stack(
             logging_config=engine_args.create_logging_config(),
             structured_outputs_config=engine_args.create_structured_outputs_config(),
         )
-        renderer = renderer_from_config(vllm_config)
+        with _no_tokenizer_pool() if single_threaded else contextlib.nullcontext():
+            renderer = renderer_from_config(vllm_config)
+        if _lean("marker"):
+            _cache_leading_space_marker(renderer.tokenizer)
     vllm_config = renderer.config
     model_config = renderer.model_config
     if model_config.hf_config.model_type == "gpt_oss":
@@ -191,6 +253,116 @@ def derender_stack(
         log_error_stack=args.log_error_stack,
     )
     return ServingDerender(registry, derenderer, request_logger=None)
+
+
+def _no_tokenizer_pool() -> contextlib.AbstractContextManager[None]:
+    """Build the renderer without vLLM's tokenizer thread pool.
+
+    ``HfRenderer.__init__`` calls ``maybe_make_thread_pool``, which makes
+    ``renderer_num_workers + 1`` deep copies of a fast tokenizer (about
+    2.6 s each for a 151k vocabulary) so that its executor threads can
+    decode at once. A single-threaded caller never uses them; every
+    tokenizer method then runs on the tokenizer itself, which the copies
+    were copies of, so every result is the same.
+    """
+    import vllm.renderers.hf as hf_renderer
+    from vllm.tokenizers import hf as hf_tokenizers
+
+    if not _lean("pool"):
+        return contextlib.nullcontext()
+    if getattr(hf_renderer, "maybe_make_thread_pool", None) is not hf_tokenizers.maybe_make_thread_pool:
+        raise ConfigError(
+            "vLLM's HfRenderer no longer calls vllm.tokenizers.hf.maybe_make_thread_pool: "
+            "review derender_core/vllm_seam/stack.py:_no_tokenizer_pool"
+        )
+
+    def single_threaded(tokenizer: Any, copies: int = 1) -> Any:
+        return tokenizer
+
+    return _patched(hf_renderer, "maybe_make_thread_pool", single_threaded)
+
+
+def _model_info_in_process() -> contextlib.AbstractContextManager[None]:
+    """Let vLLM inspect the model class in this process, on CPU.
+
+    On a cache miss (the first run after install, or after a vLLM upgrade)
+    vLLM's registry imports the model's module in a subprocess that imports
+    vLLM again, 11 to 15 s, so that the inspection cannot initialise CUDA
+    in the server. A CPU-only process has no CUDA to protect: the same
+    function runs here, and vLLM still writes its cache
+    (``$VLLM_CACHE_ROOT/modelinfos``) from the result.
+    """
+    import inspect
+
+    from vllm.model_executor.models import registry
+    from vllm.platforms import current_platform
+
+    if not _lean("modelinfo") or not current_platform.is_cpu():
+        return contextlib.nullcontext()
+    run_in_subprocess = getattr(registry, "_run_in_subprocess", None)
+    if run_in_subprocess is None or list(inspect.signature(run_in_subprocess).parameters) != ["fn"]:
+        raise ConfigError(
+            "vLLM's model registry no longer has _run_in_subprocess(fn): "
+            "review derender_core/vllm_seam/stack.py:_model_info_in_process"
+        )
+
+    def in_process(fn: Any) -> Any:
+        return fn()
+
+    return _patched(registry, "_run_in_subprocess", in_process)
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """`module.name` is `value` for the block, then what it was."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _cache_leading_space_marker(tokenizer: Any) -> None:
+    """Store vLLM's leading-space marker on the tokenizer now, cheaply.
+
+    ``get_leading_space_marker`` (the first record with logprobs, and
+    streams without prompt ids) serialises the whole tokenizer to JSON and
+    parses it, 0.6 to 1.1 s for an 8 MB tokenizer, to read one part of it:
+    the pre-tokenizer. Here vLLM's own function reads that part alone, and
+    caches its answer where it looks first (``_vllm_space_marker_cache``);
+    tests/test_server.py checks the value equals the one vLLM computes on
+    every family's tokenizer.
+    """
+    from vllm.tokenizers import detokenizer_utils
+
+    key = getattr(detokenizer_utils, "_CACHED_MARKER_KEY", None)
+    if key != "_vllm_space_marker_cache":
+        raise ConfigError(
+            "vLLM's get_leading_space_marker no longer caches on the tokenizer: "
+            "review derender_core/vllm_seam/stack.py:_cache_leading_space_marker"
+        )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or hasattr(tokenizer, key):
+        return  # vLLM's answer is None without a backend; nothing to save
+    pre_tokenizer = backend.pre_tokenizer
+    pre_json = "null" if pre_tokenizer is None else pre_tokenizer.__getstate__().decode()
+    document = '{"pre_tokenizer": ' + pre_json + "}"
+    json.loads(document)  # a malformed state fails here, not in vLLM's silent except
+    stand_in = _BackendOnly(document)
+    setattr(tokenizer, key, detokenizer_utils.get_leading_space_marker(stand_in))  # type: ignore[arg-type]
+
+
+class _BackendOnly:
+    """What ``get_leading_space_marker`` reads of a tokenizer: its backend's
+    JSON, here the pre-tokenizer's alone."""
+
+    def __init__(self, document: str) -> None:
+        self.backend_tokenizer = self
+        self._document = document
+
+    def to_str(self) -> str:
+        return self._document
 
 
 # o200k_base.tiktoken as openai_harmony reads it; the digest is the one
