@@ -477,7 +477,8 @@ def _derender(
             for path, out, directory in plan
             if out in manifested and stream_format in (None, OutputFormat.jsonl)
         }
-        replaced = [out for _, out, directory in plan if len(plan) > 1 and not scale.resume and os.path.exists(out)]
+        # -o DIR/ names its outputs: say which it replaces (-o FILE names its own).
+        replaced = [out for _, out, directory in plan if out != output and not scale.resume and os.path.exists(out)]
         if replaced and not flags.quiet:
             console.print(
                 f"derender: replacing {len(replaced)} output(s) in {output} that an earlier run left "
