@@ -63,6 +63,7 @@ from derender_core import (
 from derender_core.datasets import ParquetWriter, answers_in, is_parquet, open_records, output_name
 from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
 from derender_core.parity import DERENDER_MODES
+from derender_core.vllm_seam.render import DECODE_MODES
 from derender_core.resume import prepare_output, skip_answered
 from derender_core.workers import WorkerPool, usable_cpus
 
@@ -95,9 +96,7 @@ class StreamMode(str, Enum):
     replay = "replay"
 
 
-class DecodeMode(str, Enum):
-    fast = "fast"
-    reference = "reference"
+DecodeMode = Enum("DecodeMode", {mode: mode for mode in DECODE_MODES}, type=str)  # type: ignore[misc]
 
 
 class Flavor(str, Enum):
@@ -395,7 +394,7 @@ def _derender(
     stream_format: OutputFormat | None = None,
     live: bool = False,
     flavor: Flavor = Flavor.derender,
-    decode: DecodeMode = DecodeMode.fast,
+    decode: DecodeMode = DecodeMode("fast"),
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it:
     each input in turn, on one engine (and one pool of workers)."""
@@ -673,7 +672,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         ray: RayOpt = False,
         ray_address: RayAddressOpt = None,
         ray_actors: RayActorsOpt = None,
-        decode: DecodeOpt = DecodeMode.fast,
+        decode: DecodeOpt = DecodeMode("fast"),
         *,
         config: RenderConfig,
         console: Console,
@@ -762,7 +761,7 @@ def stream(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     ray_actors: RayActorsOpt = None,
-    decode: DecodeOpt = DecodeMode.fast,
+    decode: DecodeOpt = DecodeMode("fast"),
     *,
     config: RenderConfig,
     console: Console,
