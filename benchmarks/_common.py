@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from derender_core import DerenderEngine, RenderConfig  # noqa: E402
+from tests.sample_inputs import WEATHER_TOOL, SampleBuilder, StreamPlan, chunks_of  # noqa: E402
 
 
 def sample_config() -> RenderConfig:
@@ -30,3 +31,24 @@ def sample_engine() -> tuple[DerenderEngine, float]:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def plan_of_length(b: SampleBuilder, tokens: int) -> StreamPlan:
+    """A reasoning answer of exactly `tokens` ids that ends in a tool call."""
+    messages = [{"role": "user", "content": "Think hard, then call the weather tool."}]
+    reasoning_start = b.family.reasoning[0] if b.family.reasoning else ""
+    head = b.encode(reasoning_start)
+    tail = b.encode(b.answer("Calling the tool.\n", reasoning="", tool=("get_weather", {"city": "Paris"})).removeprefix(reasoning_start))
+    tail.append(b.stop_ids(tool_calls=True)[0])
+    filler: list[int] = []
+    step = 0
+    while len(filler) < tokens:
+        filler += b.encode(" ".join(f"step {i} checks the forecast." for i in range(step, step + 500)))
+        step += 500
+    ids = head + filler[: max(tokens - len(head) - len(tail), 0)] + tail
+    return StreamPlan(
+        request_id=f"floor-{tokens}",
+        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
+        request=b.chat_request(messages, tools=[WEATHER_TOOL], stream=True, stream_options={"include_usage": True}),
+        choices=[chunks_of(ids, [1])],
+    )

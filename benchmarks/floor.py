@@ -39,40 +39,16 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import REPO, sample_config
+from _common import REPO, plan_of_length, sample_config
 
 from derender_core import DerenderEngine, Endpoint, Job, SseWriter, iter_records, run
 from tests.sample_inputs import (
-    WEATHER_TOOL,
     SampleBuilder,
-    StreamPlan,
-    chunks_of,
     logprobs_for,
     one_shot_body,
     qwen3_family,
     stream_bodies,
 )
-
-
-def plan_of_length(b: SampleBuilder, tokens: int) -> StreamPlan:
-    """A reasoning answer of exactly `tokens` ids that ends in a tool call."""
-    messages = [{"role": "user", "content": "Think hard, then call the weather tool."}]
-    reasoning_start = b.family.reasoning[0] if b.family.reasoning else ""
-    head = b.encode(reasoning_start)
-    tail = b.encode(b.answer("Calling the tool.\n", reasoning="", tool=("get_weather", {"city": "Paris"})).removeprefix(reasoning_start))
-    tail.append(b.stop_ids(tool_calls=True)[0])
-    filler: list[int] = []
-    step = 0
-    while len(filler) < tokens:
-        filler += b.encode(" ".join(f"step {i} checks the forecast." for i in range(step, step + 500)))
-        step += 500
-    ids = head + filler[: max(tokens - len(head) - len(tail), 0)] + tail
-    return StreamPlan(
-        request_id=f"floor-{tokens}",
-        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
-        request=b.chat_request(messages, tools=[WEATHER_TOOL], stream=True, stream_options={"include_usage": True}),
-        choices=[chunks_of(ids, [1])],
-    )
 
 
 def best(fn: Callable[[], Any], repeat: int) -> float:
@@ -193,6 +169,36 @@ def live_row(engine: DerenderEngine, b: SampleBuilder, tokens: int) -> None:
           f"{elapsed / count * 1e6:.1f} us/token, {elapsed / floor_s:.0f}x the one-shot floor ({floor_s * 1e3:.2f} ms)")
 
 
+def fixed_costs(engine: DerenderEngine, b: SampleBuilder, repeat: int) -> None:
+    """Per record, what does not grow with the output: on a short answer
+    (16 tokens), the whole call and its parts."""
+    from fastapi.responses import JSONResponse
+
+    body = one_shot_body(plan_of_length(b, 16), b.family.served_name)
+    floor = Floor(engine)
+    derenderer = floor.derenderer
+    request = floor.request(body)
+    chat = request.chat_request
+    kwargs = derenderer._resolve_chat_template_kwargs(chat)
+    answer = engine.post(Endpoint.CHAT, body)
+    response = engine._run(engine._serving.derender_chat_response(request))
+    parts = {
+        "the whole call (post)": lambda: engine.post(Endpoint.CHAT, body),
+        "body validation (FastAPI's TypeAdapter)": lambda: floor.request(body),
+        "parser construction (vLLM's parser class)": lambda: derenderer.parser(
+            floor.tokenizer, chat.tools, chat_template_kwargs=kwargs, model_config=derenderer.model_config
+        ),
+        "derender_chat (decode, parse, message)": lambda: derenderer._derender_chat(
+            request.generate_response, chat, request.prompt_token_ids
+        ),
+        "response building (model_dump + JSONResponse)": lambda: JSONResponse(content=response.model_dump()).body,
+    }
+    assert answer.ok
+    print("\nfixed costs per record (16 output tokens):")
+    for name, call in parts.items():
+        print(f"  {name:48} {best(call, max(repeat, 200)) * 1e6:8.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 8192, 32768])
@@ -207,6 +213,7 @@ def main() -> None:
     print(f"start-up (excluded below): {time.perf_counter() - started:.1f} s")
     builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
     oneshot_table(engine, builder, args.tokens, args.repeat, "Qwen3 + hermes, one-shot chat")
+    fixed_costs(engine, builder, args.repeat)
     live_row(engine, builder, args.live_tokens)
     engine.close()
 

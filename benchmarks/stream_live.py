@@ -21,40 +21,10 @@ import io
 import time
 
 import orjson
-from _common import REPO, sample_engine
+from _common import REPO, plan_of_length, sample_engine
 
 from derender_core import Endpoint, Job, JsonlWriter, SseWriter, Writer, iter_records, run
-from tests.sample_inputs import (
-    WEATHER_TOOL,
-    SampleBuilder,
-    StreamPlan,
-    chunks_of,
-    qwen3_family,
-    stream_bodies,
-)
-
-
-def plan_of_length(b: SampleBuilder, tokens: int) -> StreamPlan:
-    """A reasoning stream of exactly `tokens` ids that ends in a tool call."""
-    messages = [{"role": "user", "content": "Think hard, then call the weather tool."}]
-    head = b.encode("<think>\n")
-    tail = b.encode(
-        "\n</think>\n\n" + b.answer("Calling the tool.\n", tool=("get_weather", {"city": "Paris"}))
-    ) + [b.family.eos_id]
-    filler: list[int] = []
-    step = 0
-    while len(filler) < tokens:
-        filler += b.encode(" ".join(f"step {i} checks the forecast." for i in range(step, step + 500)))
-        step += 500
-    ids = head + filler[: max(tokens - len(head) - len(tail), 0)] + tail
-    return StreamPlan(
-        request_id=f"stream-{tokens}",
-        prompt=b.prompt_ids(messages, [WEATHER_TOOL]),
-        request=b.chat_request(
-            messages, tools=[WEATHER_TOOL], stream=True, stream_options={"include_usage": True}
-        ),
-        choices=[chunks_of(ids, [1])],
-    )
+from tests.sample_inputs import SampleBuilder, qwen3_family, stream_bodies
 
 
 def timed(engine, data: bytes, writer_of) -> tuple[float, int]:  # type: ignore[no-untyped-def]

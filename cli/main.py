@@ -65,6 +65,7 @@ from derender_core import (
 from derender_core.datasets import ParquetWriter, answers_in, check_input, is_parquet, open_records, output_name
 from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
 from derender_core.parity import DERENDER_MODES
+from derender_core.vllm_seam.render import DECODE_MODES
 from derender_core.resume import (
     Manifest,
     ManifestKeeper,
@@ -108,9 +109,7 @@ class StreamMode(str, Enum):
     replay = "replay"
 
 
-class DecodeMode(str, Enum):
-    fast = "fast"
-    reference = "reference"
+DecodeMode = Enum("DecodeMode", {mode: mode for mode in DECODE_MODES}, type=str)  # type: ignore[misc]
 
 
 class Flavor(str, Enum):
@@ -436,7 +435,7 @@ def _derender(
     stream_format: OutputFormat | None = None,
     live: bool = False,
     flavor: Flavor = Flavor.derender,
-    decode: DecodeMode = DecodeMode.fast,
+    decode: DecodeMode = DecodeMode("fast"),
 ) -> int:
     """Open everything the run needs, cheapest checks first, then run it:
     each input in turn, on one engine (and one pool of workers)."""
@@ -774,7 +773,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         ray: RayOpt = False,
         ray_address: RayAddressOpt = None,
         ray_actors: RayActorsOpt = None,
-        decode: DecodeOpt = DecodeMode.fast,
+        decode: DecodeOpt = DecodeMode("fast"),
         *,
         config: RenderConfig,
         console: Console,
@@ -863,7 +862,7 @@ def stream(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     ray_actors: RayActorsOpt = None,
-    decode: DecodeOpt = DecodeMode.fast,
+    decode: DecodeOpt = DecodeMode("fast"),
     *,
     config: RenderConfig,
     console: Console,

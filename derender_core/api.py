@@ -50,10 +50,13 @@ generated token ids of one choice."""
 class CodeAPI:
     """``chat`` and ``completion`` for any engine with a ``post``."""
 
-    def post(self, endpoint: Endpoint, body: Any) -> Answer:  # provided by the engine
+    vocab_size: int
+
+    def post(self, endpoint: Endpoint, body: Any) -> Answer:  # the engine's
         raise NotImplementedError
 
-    vocab_size: int
+    def bad_request(self, message: str) -> Answer:  # the engine's
+        raise NotImplementedError
 
     def chat(
         self,
@@ -82,13 +85,7 @@ class CodeAPI:
             RenderError: the call was refused (status 400, 422 or 500).
 
         """
-        body: dict[str, Any] = {"generate_response": _generate_response(output, finish_reason)}
-        if request is not None:
-            body["chat_request"] = dict(request)
-        if prompt_token_ids is not None:
-            body["prompt_token_ids"] = list(prompt_token_ids)
-            body["prompt_tokens"] = len(prompt_token_ids)
-        return self._answered(Endpoint.CHAT, body, lenient)
+        return self._rollout(Endpoint.CHAT, output, request, prompt_token_ids, finish_reason, lenient)
 
     def completion(
         self,
@@ -101,13 +98,36 @@ class CodeAPI:
     ) -> dict[str, Any]:
         """The ``CompletionResponse`` the server gives for one prompt's
         output; arguments as for `chat`, with a completion request."""
-        body: dict[str, Any] = {"generate_responses": [_generate_response(output, finish_reason)]}
+        return self._rollout(Endpoint.COMPLETION, output, request, prompt_token_ids, finish_reason, lenient)
+
+    def _rollout(
+        self,
+        endpoint: Endpoint,
+        output: Output,
+        request: Mapping[str, Any] | None,
+        prompt: Sequence[int] | None,
+        finish_reason: str | None,
+        lenient: bool,
+    ) -> dict[str, Any]:
+        """The derender body for one rollout (chat takes one generate
+        response, completion a list of one per prompt), answered."""
+        one = endpoint is Endpoint.CHAT
+        response = _generate_response(output, finish_reason)
+        body: dict[str, Any] = {"generate_response": response} if one else {"generate_responses": [response]}
         if request is not None:
-            body["completion_request"] = dict(request)
-        if prompt_token_ids is not None:
-            body["prompt_token_ids"] = [list(prompt_token_ids)]
-            body["prompt_tokens"] = [len(prompt_token_ids)]
-        return self._answered(Endpoint.COMPLETION, body, lenient)
+            body[endpoint.request_key] = dict(request)
+        if prompt is not None:
+            body["prompt_token_ids"] = list(prompt) if one else [list(prompt)]
+            body["prompt_tokens"] = len(prompt) if one else [len(prompt)]
+        if not lenient:
+            problem = check_body(body, endpoint, stream=False, vocab_size=self.vocab_size)
+            if problem is not None:
+                refused = self.bad_request(problem)
+                raise RenderError(refused.status, refused.error_message, refused.body)
+        answer = self.post(endpoint, body)
+        if not answer.ok:
+            raise RenderError(answer.status, answer.error_message, answer.body)
+        return answer.body
 
     def chat_batch(
         self,
@@ -143,18 +163,6 @@ class CodeAPI:
                     raise
                 answers.append(exc)
         return answers
-
-    def _answered(self, endpoint: Endpoint, body: dict[str, Any], lenient: bool) -> dict[str, Any]:
-        if not lenient:
-            problem = check_body(body, endpoint, stream=False, vocab_size=self.vocab_size)
-            if problem is not None:
-                refused = self.bad_request(problem)  # type: ignore[attr-defined]
-                raise RenderError(refused.status, refused.error_message, refused.body)
-        answer = self.post(endpoint, body)
-        if not answer.ok:
-            raise RenderError(answer.status, answer.error_message, answer.body)
-        return answer.body
-
 
 def _generate_response(output: Output, finish_reason: str | None) -> Any:
     if isinstance(output, Mapping):

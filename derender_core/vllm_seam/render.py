@@ -89,9 +89,7 @@ class DerenderEngine(CodeAPI):
         executor._inner = _InlineExecutor()
         self.startup_seconds = startup_seconds
         self.live = live
-        if decode not in DECODE_MODES:
-            raise ConfigError(f"--decode: unknown mode {decode!r}. Valid modes: {', '.join(DECODE_MODES)}.")
-        self.decode = decode
+        self.decode = _checked_decode(decode)
         """"fast": exact batched decode (`fast.TokenTable`) where the
         tokenizer allows; "reference": vLLM's own per-token path."""
         self.vocab_size = _vocab_size(self.tokenizer)
@@ -175,9 +173,7 @@ class DerenderEngine(CodeAPI):
         if live is not None:
             other.live = live
         if decode is not None:
-            if decode not in DECODE_MODES:
-                raise ConfigError(f"--decode: unknown mode {decode!r}. Valid modes: {', '.join(DECODE_MODES)}.")
-            other.decode = decode
+            other.decode = _checked_decode(decode)
         return other
 
     @property
@@ -430,6 +426,12 @@ class DerenderEngine(CodeAPI):
                 raise
             return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
+
+
+def _checked_decode(decode: str) -> str:
+    if decode not in DECODE_MODES:
+        raise ConfigError(f"--decode: unknown mode {decode!r}. Valid modes: {', '.join(DECODE_MODES)}.")
+    return decode
 
 
 async def _finish(coroutine: Coroutine[Any, Any, _T], awaited: Any) -> _T:
