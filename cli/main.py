@@ -65,7 +65,6 @@ from derender_core import (
 from derender_core.datasets import ParquetWriter, answers_in, check_input, is_parquet, open_records, output_name
 from derender_core.interrupt import StopRequest, stop_on_signals, until_stopped
 from derender_core.parity import DERENDER_MODES
-from derender_core.vllm_seam.render import DECODE_MODES
 from derender_core.resume import (
     Manifest,
     ManifestKeeper,
@@ -78,6 +77,7 @@ from derender_core.resume import (
     run_manifest,
     skip_answered,
 )
+from derender_core.vllm_seam.render import DECODE_MODES
 from derender_core.workers import WorkerPool, check_workers, usable_cpus
 
 from .progress import ProgressDisplay, Summary, print_summary
