@@ -694,7 +694,7 @@ def stop(wait: float = 10.0) -> int:
         return 0
     pid = int(reply["pid"])
     deadline = time.monotonic() + wait
-    while _alive(pid):
+    while process_alive(pid):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -704,7 +704,8 @@ def stop(wait: float = 10.0) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as stat_file:
             return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"

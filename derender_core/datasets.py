@@ -88,7 +88,10 @@ def open_records(path: str, job: Job) -> Iterator[Input]:
         yield Input(_parquet_records(parquet, job, path), size)
         return
     with open_input(path) as source:
-        descriptor = source.fileno() if path != "-" else None
+        try:
+            descriptor = source.fileno() if path != "-" else None
+        except OSError:  # io.UnsupportedOperation: a slow pipe, sniffed through a prefix
+            descriptor = None
         size = None
         if descriptor is not None:
             size = os.fstat(descriptor).st_size or None

@@ -16,7 +16,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -275,21 +274,26 @@ def invoke(cli: Any, *args: str, stdin: bytes | None = None) -> Any:
 @contextlib.contextmanager
 def slow_pipe(data: bytes, pause: float = 0.3) -> Iterator[str]:
     """A pipe, as a path, that delivers one byte of `data`, pauses, then
-    the rest: a reader that peeks once sees only the first byte."""
+    the rest: a reader that peeks once sees only the first byte.
+
+    The writer is a process of its own, and this one keeps no write end: a
+    worker forked from this process before the pause ends would otherwise
+    hold the pipe open, and the reader would never see its end.
+    """
     read_end, write_end = os.pipe()
-
-    def trickle() -> None:
-        os.write(write_end, data[:1])
-        time.sleep(pause)
-        os.write(write_end, data[1:])
-        os.close(write_end)
-
-    writer = threading.Thread(target=trickle)
-    writer.start()
+    script = (
+        "import sys, time; data = sys.stdin.buffer.read(); out = sys.stdout.buffer; "
+        "out.write(data[:1]); out.flush(); time.sleep(float(sys.argv[1])); out.write(data[1:]); out.flush()"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", script, str(pause)], stdin=subprocess.PIPE, stdout=write_end)
+    os.close(write_end)
+    assert writer.stdin is not None
+    writer.stdin.write(data)
+    writer.stdin.close()
     try:
         yield f"/dev/fd/{read_end}"
     finally:
-        writer.join()
+        writer.wait(timeout=60)
         os.close(read_end)
 
 

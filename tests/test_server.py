@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from derender_cli.entry import SOCKET_NAME, request, send_message
+from derender_cli.server import process_alive as alive
 from tests.helpers import REPO, normalized_bytes, offline_env
 
 CLI = str(Path(sys.executable).with_name("derender"))
@@ -72,14 +73,6 @@ def server_env(directory: Path) -> dict[str, str]:
     env = offline_env(DERENDER_SERVER_DIR=str(directory))
     env.pop("DERENDER_NO_SERVER", None)
     return env
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def children_of(pid: int) -> list[int]:
