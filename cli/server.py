@@ -72,10 +72,16 @@ def engine_key(config: Any, cwd: str) -> tuple[str, ...]:
     """Everything that shapes the answers of an engine built from `config`
     in `cwd`: the settings, the model files' identity, the versions."""
     identity: list[str] = [repr(config)]
-    for value in (config.model, config.tokenizer, config.chat_template):
+    for role, value in (("model", config.model), ("tokenizer", config.tokenizer), ("chat_template", config.chat_template)):
         if not value:
             continue
         path = os.path.join(cwd, value)
+        if role != "chat_template" and not os.path.exists(path):
+            # A Hub id: its snapshot in the cache (the commit is in the path).
+            from derender_core import DerenderError
+
+            with contextlib.suppress(DerenderError), _working_directory(cwd):
+                path = str(config.local_dirs()[role])
         if os.path.isdir(path):
             identity.append(os.path.realpath(path))
             with os.scandir(path) as entries:
