@@ -4,7 +4,7 @@ Importing this package does not import vLLM; `DerenderEngine.build` and
 `ServeEngine.build` do.
 """
 
-from .api import RenderError, engine_for
+from .api import RenderError, engine_for, release_engines
 from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
 from .checks import check_body
 from .compare import Divergence, Normalization, Observed, compare
@@ -89,6 +89,7 @@ __all__ = [
     "open_input",
     "open_output",
     "read_items",
+    "release_engines",
     "refuse_overwriting",
     "requests_of",
     "run",

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from collections.abc import Iterator
-from functools import cache
 from typing import Any
 
 from hypothesis import strategies as st
@@ -50,13 +50,22 @@ def decoding(derenderer: Any, mode: str) -> Iterator[None]:
         derenderer.decode_mode = before
 
 
-@cache
+_POOLS: weakref.WeakKeyDictionary[Any, dict[str, list[int]]] = weakref.WeakKeyDictionary()
+"""Per derenderer, held weakly: a finished family's tokenizer is freed."""
+
+
 def _pools(derenderer: Any) -> dict[str, list[int]]:
     """Id pools for one tokenizer: ordinary pieces, special and added ones,
     byte pieces (alone, a byte-level or byte-fallback piece is part of a
     character), the prefix of a character spelled in several pieces, and ids
     out of the vocabulary."""
-    tokenizer = derenderer.tokenizer
+    known = _POOLS.get(derenderer)
+    if known is None:
+        known = _POOLS[derenderer] = _id_pools(derenderer.tokenizer)
+    return known
+
+
+def _id_pools(tokenizer: Any) -> dict[str, list[int]]:
     size = len(tokenizer)
     ordinary = list(dict.fromkeys(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)))
     special = sorted(set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values()))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from derender_core import Endpoint, RenderError, engine_for
+from derender_core import Endpoint, RenderError, engine_for, release_engines
 from tests.conftest import Stack, sample_config
 from tests.helpers import normalize
 from tests.sample_inputs import chat_bodies, completion_bodies
@@ -118,7 +118,7 @@ def test_completion_gives_the_endpoints_answer(qwen3_stack: Stack) -> None:
     assert normalize(batch[0]) == normalize(got)
 
 
-def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack) -> None:
+def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack, request: pytest.FixtureRequest) -> None:
     """The documented `Dataset.map(num_proc=2)` way: the engine built once
     in the parent, the forked workers answer with it."""
     datasets = pytest.importorskip("datasets")
@@ -130,6 +130,7 @@ def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack) -> None:
     ]
     config = sample_config()
     engine_for(config)  # built here: Dataset.map's workers are forked from this process
+    request.addfinalizer(release_engines)
 
     def derender(row: dict[str, Any]) -> dict[str, Any]:
         # Messages differ in shape (tool calls or not): kept as JSON text.
