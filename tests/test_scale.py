@@ -411,7 +411,9 @@ def test_cli_killed_at_a_random_point_then_resumed(
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     if command == "chat":
-        lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 400
+        # Enough records that the run outlasts the kill's random moment
+        # (1,600 take about a second on the fast decode).
+        lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 2400
         job = Job(Endpoint.CHAT)
     else:
         lines = []
