@@ -336,9 +336,10 @@ def render_chat_logprobs(resolved: list[Position] | None) -> str | None:
     if resolved is None:
         return '{"content":null}'
     out = []
-    for piece, logprob, tops, _ in resolved:
-        if not math.isfinite(logprob + sum(lp for _, lp in tops)):
+    for position in resolved:
+        if not position.finite():
             return None
+        piece, logprob, tops, _ = position
         out.append(
             piece.fields_before + repr(logprob) + piece.fields_after + ',"top_logprobs":['
             + ",".join([p.fields_before + repr(lp) + p.fields_after + "}" for p, lp in tops])
