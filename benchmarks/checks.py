@@ -16,8 +16,9 @@ import time
 import orjson
 from _common import REPO
 
-from derender_core import Endpoint, check_body, iter_records
-from derender_core.records import parse_line
+from derender_core import Endpoint
+from derender_core.checks import check_body
+from derender_core.records import iter_records, parse_line
 
 VOCAB = 151669
 

@@ -20,16 +20,11 @@ from collections import defaultdict
 import orjson
 from _common import REPO, peak_rss_mib, sample_config
 
-from derender_core import (
-    DerenderEngine,
-    Endpoint,
-    Job,
-    JsonlWriter,
-    ServeEngine,
-    iter_records,
-    run,
-)
+from derender_core import DerenderEngine, Endpoint, ServeEngine
+from derender_core.batch import Job, run
 from derender_core.parity import one_shot_body
+from derender_core.records import iter_records
+from derender_core.writers import JsonlWriter
 from tests.parity_corpus import corpus_bodies
 from tests.sample_inputs import SampleBuilder, qwen3_family
 

@@ -38,9 +38,11 @@ from pathlib import Path
 import orjson
 from _common import REPO, sample_engine
 
-from derender_core import Endpoint, Job, JsonlWriter, iter_records, run
-from derender_core.batch import generated_tokens
+from derender_core import Endpoint
+from derender_core.batch import Job, generated_tokens, run
+from derender_core.records import iter_records
 from derender_core.workers import WorkerPool
+from derender_core.writers import JsonlWriter
 from tests.conftest import sample_config
 from tests.helpers import RenderServer
 

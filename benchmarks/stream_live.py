@@ -23,7 +23,10 @@ import time
 import orjson
 from _common import REPO, plan_of_length, sample_engine
 
-from derender_core import Endpoint, Job, JsonlWriter, SseWriter, Writer, iter_records, run
+from derender_core import Endpoint
+from derender_core.batch import Job, run
+from derender_core.records import iter_records
+from derender_core.writers import JsonlWriter, SseWriter, Writer
 from tests.sample_inputs import SampleBuilder, qwen3_family, stream_bodies
 
 

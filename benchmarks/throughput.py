@@ -13,7 +13,10 @@ import io
 
 from _common import REPO, peak_rss_mib, sample_engine
 
-from derender_core import Endpoint, Job, JsonlWriter, iter_records, run
+from derender_core import Endpoint
+from derender_core.batch import Job, run
+from derender_core.records import iter_records
+from derender_core.writers import JsonlWriter
 
 
 def main() -> None:

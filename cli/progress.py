@@ -1,10 +1,10 @@
-"""Progress and summary on stderr. The live display shows only on a TTY."""
+"""Progress and summary on stderr, as the core's `jobs.Observer`. The live
+display shows only on a TTY."""
 
 from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -21,6 +21,7 @@ from rich.progress import (
 
 from derender_core import Report
 from derender_core.datasets import Input
+from derender_core.jobs import Summary
 
 FAILURES_SHOWN = 5
 _REFRESH_SECONDS = 0.2
@@ -99,6 +100,11 @@ class ProgressDisplay:
             ),
         )
 
+    def notice(self, message: str) -> None:
+        """Something the run wants said (outputs it replaces)."""
+        if self._enabled:
+            self._console.print(f"derender: {message}", markup=False)
+
     def stopping(self, signum: int) -> None:
         """The first Ctrl-C or SIGTERM: say what happens next."""
         if self._enabled:
@@ -107,40 +113,6 @@ class ProgressDisplay:
                 "and closing the outputs (again to abort)",
                 markup=False,
             )
-
-
-@dataclass
-class Summary:
-    """Every input's report, and what start-up cost, apart from processing."""
-
-    reports: list[tuple[str, Report]] = field(default_factory=list)
-    startup: dict[str, float] = field(default_factory=dict)
-    """Seconds per start-up step: the model, the workers, a Ray cluster."""
-    outputs: dict[str, str] = field(default_factory=dict)
-    """Where each input's answers went (``-`` for stdout)."""
-
-    def add(self, input_path: str, report: Report, output: str) -> None:
-        self.reports.append((input_path, report))
-        self.outputs[input_path] = output
-
-    @property
-    def total(self) -> Report:
-        total = Report()
-        for _, report in self.reports:
-            total.records += report.records
-            total.errors += report.errors
-            total.internal_errors += report.internal_errors
-            total.elapsed += report.elapsed
-            total.tokens += report.tokens
-            total.resumed += report.resumed
-            total.stopped_by = total.stopped_by or report.stopped_by
-            total.unfinished = total.unfinished or report.unfinished
-            total.stopped_at_failure = total.stopped_at_failure or report.stopped_at_failure
-        return total
-
-    @property
-    def return_code(self) -> int:
-        return self.total.return_code
 
 
 def print_summary(console: Console, summary: Summary, *, verbose: bool = False) -> None:
@@ -225,3 +197,21 @@ def _print_logs(console: Console, summary: Summary, verbose: bool) -> None:
 def _first_line(message: str, limit: int = 200) -> str:
     line = message.splitlines()[0] if message else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def print_outcome(console: Console, summary: Summary, *, quiet: bool, verbose: bool) -> None:
+    """The summary, unless quiet; a run that could not finish says so even then."""
+    if not quiet:
+        print_summary(console, summary, verbose=verbose)
+    for path, report in summary.reports:
+        if report.unfinished is None:
+            continue
+        output = summary.outputs.get(path, "-")
+        shown = "stdout" if output == "-" else output
+        written = "" if report.written is None else f"; {report.written:,} written in full to {shown}"
+        where = f" ({path})" if len(summary.reports) > 1 else ""
+        console.print(
+            f"derender: the run could not finish{where}: {report.unfinished}. "
+            f"{report.records:,} records were answered{written}.",
+            markup=False,
+        )

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from derender_core import Divergence, open_output
+from derender_core import Divergence
+from derender_core.records import open_output
 
 VALUE_WIDTH = 60
 TABLE_WIDTH = 160

@@ -37,13 +37,15 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from .entry import (
+    _HEADER,
     NO_SERVER_VARIABLE,
     PROTOCOL,
     SOCKET_NAME,
-    _HEADER,
     check_directory,
     request,
     server_directory,
@@ -114,7 +116,10 @@ def plan_call(argv: list[str]) -> Plan:
     """
     import typer.main
 
+    from derender_core.parity import PATHS
+
     from . import main as cli
+    from .options import RENDER_OPTIONS, render_config
 
     group = typer.main.get_command(cli.app)
     name, rest = argv[0], argv[1:]  # the client forwards only `derender COMMAND ...`
@@ -133,14 +138,14 @@ def plan_call(argv: list[str]) -> Plan:
     if params.get("ray"):
         return Plan(fresh="--ray runs on a Ray cluster")
     if name == "parity":
-        paths = ",".join(params.get("paths") or cli.PATHS)
+        paths = ",".join(params.get("paths") or PATHS)
         if "serve" in paths:
             return Plan(fresh="parity's serve paths drive a live vLLM engine core (--paths oneshot,replay,live runs warm)")
-    flags = {option: params.get(option) for option in cli._RENDER_OPTIONS if option != "config"}
+    flags = {option: params.get(option) for option in RENDER_OPTIONS if option != "config"}
     # click gives a repeatable option as a tuple, () when not given.
     flags = {key: (list(value) or None) if isinstance(value, tuple) else value for key, value in flags.items()}
     try:
-        return Plan(config=cli.render_config(params.get("config"), flags))
+        return Plan(config=render_config(params.get("config"), flags))
     except Exception:
         return Plan()
 
@@ -226,11 +231,9 @@ class WarmServer:
             from . import main  # noqa: F401
 
             stack.prepare_environment()
-            import vllm.entrypoints.common.cli_args  # noqa: F401
-            import vllm.renderers  # noqa: F401
-            import vllm.renderers.online_derenderer  # noqa: F401
+            from derender_core.vllm_seam import render
 
-            from derender_core.vllm_seam import live, render  # noqa: F401
+            render.import_ahead()
 
     # -- the loop -------------------------------------------------------
 
@@ -745,6 +748,51 @@ def _serve(directory: str, idle_timeout: float, engines: int, ready_fd: int) -> 
         server.shutdown()
     sys.stderr.flush()
     os._exit(0)
+
+
+
+# --- the `derender server` commands -------------------------------------------------
+
+server_app = typer.Typer(
+    name="server",
+    help=(
+        "A per-user warm server for shell pipelines: it keeps vLLM imported and built "
+        "engines in memory, and answers every chat, completion, stream, parity and diff "
+        "call while it runs (pass --no-server, or set DERENDER_NO_SERVER=1, to run one "
+        "fresh). Output and exit statuses are a fresh process's."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@server_app.command("start")
+def server_start(
+    idle_timeout: Annotated[
+        str,
+        typer.Option("--idle-timeout", metavar="DURATION", help="Exit after this long without calls: 90s, 15m, 2h; 0 never."),
+    ] = DEFAULT_IDLE_TIMEOUT,
+    engines: Annotated[
+        int,
+        typer.Option("--engines", min=1, metavar="N", help="Built engines kept (least recently used out first); each holds a tokenizer, ~1.4 GB for Qwen3."),
+    ] = DEFAULT_ENGINES,
+) -> None:
+    """Start the server in the background; returns once it answers."""
+    raise typer.Exit(start(idle_timeout, engines))
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Show the engines held, memory and idle time; exit 0 only while a server runs."""
+    raise typer.Exit(status())
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the server and every call it is answering."""
+    raise typer.Exit(stop())
 
 
 if __name__ == "__main__":

@@ -1,96 +1,60 @@
 """derender: vLLM's derender core over files, offline and on CPU.
 
-Importing this package does not import vLLM; `DerenderEngine.build` and
-`ServeEngine.build` do.
+What most code needs is here: settings (`RenderConfig`), an engine
+(`DerenderEngine`, `ServeEngine`, `engine_for`) answering calls or
+returning responses (`engine.chat`, `engine.completion`), whole jobs over
+files (`JobSpec`, `run_job`, `ParitySpec`, `run_parity`), comparing
+answers (`diff_items`), and the errors and exit statuses. Everything else
+stays importable from its module (`derender_core.batch`, `.records`,
+`.writers`, `.parity`, ...); the layout is in docs/architecture.md.
+
+Importing this package does not import vLLM; building an engine does.
 """
 
-from .api import RenderError, engine_for, release_engines
-from .batch import Failure, Job, Outcome, OutcomeSource, RecordProcessor, Report, Restored, run
-from .checks import check_body
-from .compare import Divergence, Normalization, Observed, compare
+from .api import RenderError
+from .batch import Report, RunIncomplete
+from .compare import Divergence, Normalization
 from .config import RenderConfig
-from .errors import (
-    ConfigError,
-    DerenderError,
-    ExitStatus,
-    InputError,
-    RecordError,
-    RunIncomplete,
-    StreamFailure,
+from .errors import ConfigError, DerenderError, ExitStatus, InputError, StreamFailure
+from .jobs import (
+    JobSpec,
+    ParityResult,
+    ParitySpec,
+    Summary,
+    engine_for,
+    release_engines,
+    run_job,
+    run_parity,
 )
-from .logs import LogKind
-from .parity import PATHS, Chunking, Parity, from_serve, requests_of
-from .protocol import Answer, Derenderer, Endpoint, FramesAnswer, StreamAnswer
-from .records import (
-    OutputFile,
-    Record,
-    RequestIndex,
-    iter_records,
-    open_input,
-    open_output,
-    refuse_overwriting,
-)
-from .responses import Item, diff_items, read_items
-from .streams import ChunkFacts, StreamLedger
+from .protocol import Answer, Endpoint
+from .responses import diff_items, read_items
 from .vllm_seam.render import DerenderEngine
-from .vllm_seam.serve import ServeEngine, StopFinding
-from .writers import AssembledWriter, Assembly, ErrorLog, JsonlWriter, SseWriter, Writer
+from .vllm_seam.serve import ServeEngine
 
 __all__ = [
     "Answer",
-    "AssembledWriter",
-    "Assembly",
-    "ChunkFacts",
-    "Chunking",
     "ConfigError",
     "DerenderEngine",
     "DerenderError",
-    "Derenderer",
     "Divergence",
     "Endpoint",
-    "ErrorLog",
     "ExitStatus",
-    "Failure",
-    "FramesAnswer",
     "InputError",
-    "Item",
-    "Job",
-    "JsonlWriter",
-    "LogKind",
+    "JobSpec",
     "Normalization",
-    "Observed",
-    "Outcome",
-    "OutcomeSource",
-    "OutputFile",
-    "PATHS",
-    "Parity",
-    "Record",
-    "RecordError",
-    "RecordProcessor",
+    "ParityResult",
+    "ParitySpec",
     "RenderConfig",
     "RenderError",
     "Report",
-    "RequestIndex",
-    "Restored",
     "RunIncomplete",
     "ServeEngine",
-    "SseWriter",
-    "StopFinding",
-    "StreamAnswer",
     "StreamFailure",
-    "StreamLedger",
-    "Writer",
-    "check_body",
-    "compare",
+    "Summary",
     "diff_items",
     "engine_for",
-    "from_serve",
-    "iter_records",
-    "open_input",
-    "open_output",
     "read_items",
     "release_engines",
-    "refuse_overwriting",
-    "requests_of",
-    "run",
+    "run_job",
+    "run_parity",
 ]

@@ -8,27 +8,19 @@ same ``post`` (so every answer is the render server's, byte for byte), with
 derender's record checks unless ``lenient``; a refused call raises
 `RenderError` with the server's status and message.
 
-`engine_for` keeps one engine per process and settings, for ``Dataset.map``
-with ``num_proc`` and other process pools.
+`jobs.engine_for` keeps one engine per process and settings, for
+``Dataset.map`` with ``num_proc`` and other process pools.
 
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .checks import check_body
 from .protocol import Answer, Endpoint
-
-if TYPE_CHECKING:
-    from .config import RenderConfig
-    from .vllm_seam.render import DerenderEngine
 
 
 class RenderError(Exception):
@@ -168,36 +160,3 @@ def _generate_response(output: Output, finish_reason: str | None) -> Any:
     if isinstance(output, Mapping):
         return dict(output)
     return {"request_id": "derender", "choices": [{"index": 0, "token_ids": list(output), "finish_reason": finish_reason}]}
-
-
-_ENGINES: dict[tuple[str, bool, str], tuple[int, DerenderEngine]] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def engine_for(config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
-    """This process's engine for these settings, built on first use: a
-    worker of ``Dataset.map(num_proc=N)`` or any process pool builds one
-    engine and answers every row it gets with it. A worker forked from a
-    process that had built it takes it over (its memory came with the
-    fork) on an event loop of its own."""
-    from .vllm_seam.render import DerenderEngine
-
-    key = (json.dumps(dataclasses.asdict(config), sort_keys=True, default=str), live, decode)
-    with _ENGINES_LOCK:
-        built = _ENGINES.get(key)
-        if built is None:
-            built = (os.getpid(), DerenderEngine.build(config, live=live, decode=decode))
-        elif built[0] != os.getpid():
-            built[1].close()  # this process's copy of the parent's loop
-            built = (os.getpid(), built[1])
-        _ENGINES[key] = built
-        return built[1]
-
-
-def release_engines() -> None:
-    """Close and forget the engines `engine_for` built in this process
-    (about 1.5 GB each), once a job is done with them."""
-    with _ENGINES_LOCK:
-        for _, engine in _ENGINES.values():
-            engine.close()
-        _ENGINES.clear()

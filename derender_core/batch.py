@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import check_body
-from .errors import ExitStatus, RecordError, RunIncomplete, StreamFailure
+from .errors import ExitStatus, RecordError, StreamFailure
 from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .protocol import Answer, Derenderer, Endpoint
 from .records import Record, RequestIndex, derender_body
@@ -109,6 +109,18 @@ class Report:
                     outcome.traceback,
                 )
             )
+
+
+class RunIncomplete(Exception):
+    """A run stopped before the end of its input because an input or output
+    failed. `report` says why, how many records were answered and how many
+    the output holds in full."""
+
+    exit_status = ExitStatus.INCOMPLETE
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(report.unfinished)
+        self.report = report
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,15 @@
 Per-record problems never raise: they become error records. A
 `DerenderError` means the run cannot start (bad flags, a missing model
 directory, an unreadable input) and nothing was processed. `RunIncomplete`
-means a run that had started could not finish: an input stopped being
-readable or an output writable. Exit statuses are decided here, in the
+(in `batch`, beside the report it carries) means a run that had started
+could not finish: an input stopped being readable or an output writable.
+Nothing here imports the rest of the core. Exit statuses are decided here, in the
 core, so every front end (CLI, workers) reports the same outcome the same way.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .batch import Report
 
 
 class ExitStatus(IntEnum):
@@ -56,19 +53,7 @@ class RecordError(DerenderError):
 class StreamFailure(Exception):
     """An input that can no longer be read (a truncated or corrupt gzip, a
     read error) or an output that can no longer be written (a full disk).
-    Raised mid-run by readers and writers; `run` turns it into
-    `RunIncomplete`."""
+    Raised mid-run by readers and writers; `batch.run` turns it into
+    `batch.RunIncomplete`."""
 
     exit_status = ExitStatus.INCOMPLETE
-
-
-class RunIncomplete(Exception):
-    """A run stopped before the end of its input because an input or output
-    failed. `report` says why, how many records were answered and how many
-    the output holds in full."""
-
-    exit_status = ExitStatus.INCOMPLETE
-
-    def __init__(self, report: Report) -> None:
-        super().__init__(report.unfinished)
-        self.report = report

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -32,8 +33,13 @@ class StopRequest:
 def stop_on_signals(on_first: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
     """While inside, SIGINT and SIGTERM set the returned request instead of
     killing the process; a second one raises KeyboardInterrupt. `on_first`
-    is told the first signal (to say that the run is stopping)."""
+    is told the first signal (to say that the run is stopping). Off the
+    main thread (a library call in a thread) Python allows no handlers:
+    the run then stops only with its process."""
     request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
 
     def handle(signum: int, frame: object) -> None:
         if request.signal is not None:

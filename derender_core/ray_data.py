@@ -68,10 +68,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .batch import Job, Outcome, RecordProcessor, Report, run, stream_key
+from .batch import Job, Outcome, RecordProcessor, Report, RunIncomplete, run, stream_key
 from .config import RenderConfig
 from .datasets import is_parquet, records_from_table
-from .errors import ConfigError, InputError, RunIncomplete
+from .errors import ConfigError, InputError
 from .logs import LogLine
 from .protocol import Endpoint
 from .records import GZIP_MAGIC, ZSTD_MAGIC, Record, ZstdReader, numbered_lines

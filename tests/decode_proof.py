@@ -270,7 +270,8 @@ def check_live_chunks(engine: Any, plans: list[Any], data: Any) -> None:
 
     import orjson
 
-    from derender_core import Endpoint, Job
+    from derender_core import Endpoint
+    from derender_core.batch import Job
     from tests.helpers import jsonl_answers, normalize
     from tests.sample_inputs import chunks_of, stream_body
 

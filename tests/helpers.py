@@ -23,17 +23,10 @@ from typing import Any
 
 import httpx
 
-from derender_core import (
-    DerenderEngine,
-    Endpoint,
-    Job,
-    JsonlWriter,
-    RenderConfig,
-    Report,
-    Writer,
-    iter_records,
-    run,
-)
+from derender_core import DerenderEngine, Endpoint, RenderConfig, Report
+from derender_core.batch import Job, run
+from derender_core.records import iter_records
+from derender_core.writers import JsonlWriter, Writer
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data"

@@ -23,7 +23,8 @@ from typing import Any
 
 import orjson
 
-from derender_core import DerenderEngine, Endpoint, Job, RenderConfig
+from derender_core import DerenderEngine, Endpoint, RenderConfig
+from derender_core.batch import Job
 from derender_core.vllm_seam.stack import registered_parsers
 from tests.helpers import SAMPLE, jsonl_answers
 from tests.sample_inputs import (

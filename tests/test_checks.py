@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from derender_core import Endpoint, check_body
+from derender_core import Endpoint
+from derender_core.checks import check_body
 
 VOCAB = 1000
 

@@ -39,20 +39,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from derender_core import (
-    AssembledWriter,
-    DerenderEngine,
-    Endpoint,
-    Job,
-    Parity,
-    ServeEngine,
-    SseWriter,
-)
+from derender_core import DerenderEngine, Endpoint, ServeEngine
+from derender_core.batch import Job
 from derender_core.coverage import FAMILIES, KNOWN_ISSUES, FamilyCase
-from derender_core.parity import requests_of
+from derender_core.parity import Parity, requests_of
 from derender_core.records import Record
-from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
+from derender_core.writers import AssembledWriter, SseWriter
 from tests import decode_proof
+from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
 from tests.families import CASES, SPECS, family_markup, render_config
 from tests.helpers import (
     REPO,

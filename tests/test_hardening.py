@@ -265,7 +265,7 @@ def test_a_bug_on_one_record_is_a_500_for_that_record_with_verbose_traceback(
 
 
 def test_a_bug_outside_records_ends_the_run_with_exit_3_not_1(cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    from derender_core import JsonlWriter
+    from derender_core.writers import JsonlWriter
 
     def broken(self: Any, answer: Any, facts: Any) -> None:
         raise RuntimeError("simulated writer bug")

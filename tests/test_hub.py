@@ -13,7 +13,8 @@ import orjson
 import pytest
 import yaml
 
-from derender_core import Endpoint, Job, RenderConfig
+from derender_core import Endpoint, RenderConfig
+from derender_core.batch import Job
 from derender_core.errors import ConfigError
 from tests.conftest import Stack
 from tests.helpers import REPO, SAMPLE, hub_cache, jsonl_answers, normalize, run_cli

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from derender_core import DerenderEngine, Endpoint, Job, RecordProcessor
+from derender_core import DerenderEngine, Endpoint
+from derender_core.batch import Job, RecordProcessor
 from derender_core.records import Record
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize, server_stream_answers

@@ -24,20 +24,20 @@ import hypothesis.strategies as st
 import orjson
 from hypothesis import given, settings
 
-from derender_core import (
+from derender_core import Endpoint, Normalization, read_items
+from derender_core.batch import Job
+from derender_core.compare import Observed, compare
+from derender_core.parity import (
     Chunking,
-    Endpoint,
-    Item,
-    Job,
-    Normalization,
-    Observed,
     Parity,
-    SseWriter,
-    compare,
-    read_items,
+    from_serve,
+    one_shot_body,
+    requests_of,
+    stream_bodies,
 )
-from derender_core.parity import from_serve, one_shot_body, requests_of, stream_bodies
 from derender_core.records import Record, RequestIndex
+from derender_core.responses import Item
+from derender_core.writers import SseWriter
 from tests.conftest import ServeStack, Stack
 from tests.helpers import run_cli, run_lines
 from tests.parity_corpus import CASES, corpus_bodies

@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import Endpoint, Job
+from derender_core import Endpoint
+from derender_core.batch import Job
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize
 from tests.sample_inputs import (

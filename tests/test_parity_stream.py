@@ -13,7 +13,8 @@ from typing import Any
 
 import orjson
 
-from derender_core import Endpoint, Job
+from derender_core import Endpoint
+from derender_core.batch import Job
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize, server_stream_answers
 from tests.sample_inputs import completion_stream_plans, stream_bodies, with_rejected_calls

@@ -14,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
-from derender_core import StreamAnswer
-from derender_core.protocol import render_json, render_state
+from derender_core.protocol import StreamAnswer, render_json, render_state
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),

@@ -25,7 +25,10 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from derender_core import Endpoint, Job, JsonlWriter, SseWriter, iter_records, run
+from derender_core import Endpoint
+from derender_core.batch import Job, run
+from derender_core.records import iter_records
+from derender_core.writers import JsonlWriter, SseWriter
 from tests.conftest import Stack
 from tests.helpers import REPO, normalized_bytes, offline_env
 from tests.sample_inputs import (

@@ -19,18 +19,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from derender_core import (
-    Endpoint,
-    InputError,
+from derender_core import Endpoint, InputError, StreamFailure
+from derender_core.errors import RecordError
+from derender_core.records import (
+    JsonProblem,
     OutputFile,
-    RecordError,
     RequestIndex,
-    StreamFailure,
+    derender_body,
     iter_records,
     open_input,
+    parse_line,
     refuse_overwriting,
 )
-from derender_core.records import JsonProblem, derender_body, parse_line
 from tests.helpers import slow_pipe
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text() | st.floats(

@@ -29,25 +29,14 @@ import pytest
 import zstandard
 from rich.console import Console
 
-from derender_core import (
-    AssembledWriter,
-    DerenderEngine,
-    Endpoint,
-    Job,
-    JsonlWriter,
-    Report,
-    SseWriter,
-    Writer,
-    iter_records,
-    open_input,
-    open_output,
-    run,
-)
-from derender_core.batch import stream_key
+from derender_core import DerenderEngine, Endpoint, Report
+from derender_core.batch import Job, run, stream_key
 from derender_core.datasets import ParquetWriter, answers_in, open_records, output_name
 from derender_core.interrupt import StopRequest, until_stopped
+from derender_core.records import iter_records, open_input, open_output
 from derender_core.resume import prepare_output, skip_answered
 from derender_core.workers import BATCH_RECORDS, WorkerPool
+from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter, Writer
 from tests.conftest import Stack
 from tests.helpers import REPO, normalized_bytes, offline_env
 from tests.sample_inputs import (

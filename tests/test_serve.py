@@ -30,9 +30,12 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import AssembledWriter, Endpoint, FramesAnswer, Job, JsonlWriter, SseWriter
+from derender_core import Endpoint
+from derender_core.batch import Job
+from derender_core.protocol import FramesAnswer
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
+from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests.conftest import ServeStack, Stack
 from tests.helpers import SAMPLE, jsonl_answers, normalize, normalized_bytes, run_cli, run_lines
 from tests.sample_inputs import (

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from derender_cli.entry import SOCKET_NAME, request, send_message
 from derender_cli.server import process_alive as alive
+
 from tests.helpers import REPO, normalized_bytes, offline_env
 
 CLI = str(Path(sys.executable).with_name("derender"))

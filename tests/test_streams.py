@@ -13,7 +13,8 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from derender_core import Answer, ChunkFacts, Endpoint, StreamLedger
+from derender_core import Answer, Endpoint
+from derender_core.streams import ChunkFacts, StreamLedger
 
 
 def body(request_id: str, index: int | None, finish: str | None = None, n: int = 1,

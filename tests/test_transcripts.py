@@ -17,7 +17,9 @@ from typing import Any
 import orjson
 import pytest
 
-from derender_core import AssembledWriter, Endpoint, Job, SseWriter
+from derender_core import Endpoint
+from derender_core.batch import Job
+from derender_core.writers import AssembledWriter, SseWriter
 from tests.conftest import Stack
 from tests.helpers import SAMPLE, normalize, normalized_bytes, read_jsonl, run_lines
 from tests.sample_inputs import (

@@ -578,7 +578,8 @@ class FastDerenderer(OnlineDerenderer):
         total_prompt_tokens = total_completion_tokens = index = 0
         top_limit = _completion_top_logprobs_limit(completion_request)
         return_token_ids = completion_request is not None and completion_request.return_token_ids
-        for gen, pt, seed_ids_override in zip(generate_responses, prompt_tokens_list, prompt_token_ids_list):
+        # strict=False: as vLLM zips them
+        for gen, pt, seed_ids_override in zip(generate_responses, prompt_tokens_list, prompt_token_ids_list, strict=False):
             seed_ids = seed_ids_override if seed_ids_override is not None else gen.prompt_token_ids
             seed_state = _seed_stream_state(tokenizer, seed_ids, skip_special_tokens=skip_special)
             for choice in gen.choices:

@@ -48,6 +48,7 @@ from vllm.renderers.online_derenderer import (
     _resolve_logprobs,
     _seed_stream_state,
 )
+
 from .fast import FastDerenderer
 
 

@@ -582,3 +582,14 @@ def _materialized(body: Any) -> Any:
     if isinstance(body, Mapping) and hasattr(body.get("stream_state"), "to_model"):
         return {**body, "stream_state": body["stream_state"].to_model()}
     return body
+
+
+def import_ahead() -> None:
+    """Import the rest of what every derender call needs, for a process
+    (the warm server) that imports once and forks per call. Call it after
+    `stack.prepare_environment`."""
+    import vllm.entrypoints.common.cli_args  # noqa: F401
+    import vllm.renderers  # noqa: F401
+    import vllm.renderers.online_derenderer  # noqa: F401
+
+    from . import live  # noqa: F401
