@@ -1,7 +1,7 @@
 """What the test suite proves for each of vLLM's parsers.
 
-This is the data behind the README's coverage table and ``derender
-parsers``, and the test matrix itself: ``tests/test_families.py`` is
+This is the data behind the coverage table in ``docs/families.md`` and
+``derender parsers``, and the test matrix itself: ``tests/test_families.py`` is
 parametrized from `FAMILIES`, so a family listed here is a family tested
 against a real ``vllm launch render``, one-shot, streaming and live.
 
@@ -288,7 +288,8 @@ README_END = "<!-- end of coverage table -->"
 
 
 def readme_section() -> str:
-    """The README's coverage section, between its markers."""
+    """The coverage section of ``docs/families.md``, markers included (the
+    `README_` names predate its move out of the README)."""
     rows = table_rows()
     kinds = {kind: sum(1 for row in rows if row["kind"] == kind) for kind in ("tool", "reasoning")}
     tested = sum(1 for row in rows if row["family"] != "untested")

@@ -2,10 +2,10 @@
 
 Every registered parser is built into the stack on the bundled Qwen3
 sample and derenders a plain answer; what it does must be what
-``derender_core/coverage_probe.py`` records. The README's table must be
-what the generator writes from that data, the family matrix must match
-the fixtures that test it, and every known misbehaviour must name a test
-that exists. ``python -m tests.update_coverage`` regenerates the data and
+``derender_core/coverage_probe.py`` records. The table in
+``docs/families.md`` must be what the generator writes from that data, the
+family matrix must match the fixtures that test it, and every known
+misbehaviour must name a test that exists. ``python -m tests.update_coverage`` regenerates the data and
 the table.
 """
 
@@ -20,7 +20,6 @@ from derender_core.coverage import (
     FAMILIES,
     KNOWN_ISSUES,
     README_BEGIN,
-    README_END,
     readme_section,
     table_rows,
 )
@@ -29,6 +28,7 @@ from derender_core.vllm_seam.stack import registered_parsers
 from tests.families import SPECS
 from tests.helpers import REPO, run_cli
 from tests.parser_probe import ParserProbe
+from tests.update_coverage import TABLE_PAGE, coverage_section
 
 REGENERATE = "regenerate with `python -m tests.update_coverage`"
 
@@ -52,10 +52,16 @@ def test_parser_on_the_qwen3_sample(probe: ParserProbe, kind: str, name: str) ->
     assert probe.outcome(kind, name) == PROBES[(kind, name)], REGENERATE
 
 
-def test_readme_table_is_current() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    start, end = readme.index(README_BEGIN), readme.index(README_END) + len(README_END)
-    assert readme[start:end] == readme_section(), REGENERATE
+def test_families_page_table_is_current() -> None:
+    assert coverage_section(TABLE_PAGE.read_text(encoding="utf-8")) == readme_section(), REGENERATE
+
+
+def test_the_table_lives_on_one_page() -> None:
+    """No other page keeps a copy of the table that the generator would
+    leave to go stale."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    holding = [page.relative_to(REPO).as_posix() for page in pages if README_BEGIN in page.read_text(encoding="utf-8")]
+    assert holding == [TABLE_PAGE.relative_to(REPO).as_posix()]
 
 
 def test_family_matrix_matches_the_fixtures() -> None:
@@ -87,13 +93,12 @@ def test_table_lists_every_parser_once_and_tested_families_as_tested() -> None:
             assert not any(row[check] for check in ("one-shot", "stream", "live"))
 
 
-def test_parsers_command_prints_the_readme_table() -> None:
-    """``derender parsers`` prints the table the README holds, for the
+def test_parsers_command_prints_the_coverage_table() -> None:
+    """``derender parsers`` prints the table docs/families.md holds, for the
     parsers this vLLM registers."""
     done = run_cli("parsers")
     assert done.returncode == 0, done.stderr.decode()
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index(README_BEGIN) : readme.index(README_END)]
+    table = coverage_section(TABLE_PAGE.read_text(encoding="utf-8"))
     printed = done.stdout.decode()
     assert printed.startswith("| kind | parser |")
     assert printed.strip() in table

@@ -265,7 +265,7 @@ def test_one_shot_matches_server(family: Stack, run: Run) -> None:
 
 def test_decodes_as_its_coverage_row_says(family: Stack) -> None:
     """The fast path covers the family's tokenizer kind, or the family runs
-    vLLM's own path (as `coverage.FAMILIES` and the README say)."""
+    vLLM's own path (as `coverage.FAMILIES` and docs/families.md say)."""
     assert family.engine.decoder_kind == CASES[family.name].decode
     assert family.engine.in_mode(decode="reference").decoder_kind == "reference"
 

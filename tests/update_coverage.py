@@ -1,10 +1,10 @@
-"""Regenerate the coverage data and the README's coverage table.
+"""Regenerate the coverage data and the coverage table in docs/families.md.
 
 ``python -m tests.update_coverage`` runs every registered parser on the
 bundled Qwen3 sample (`tests.parser_probe`), writes the outcomes to
-``derender_core/coverage_probe.py``, and rewrites the README section between
-`coverage.README_BEGIN` and `coverage.README_END` from
-`coverage.readme_section`. ``tests/test_coverage.py`` fails when either is
+``derender_core/coverage_probe.py``, and rewrites the section of
+``docs/families.md`` between `coverage.README_BEGIN` and `coverage.README_END`
+from `coverage.readme_section`. ``tests/test_coverage.py`` fails when either is
 out of date.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 from tests.helpers import REPO
 
 PROBE_MODULE = REPO / "derender_core" / "coverage_probe.py"
-README = REPO / "README.md"
+# The page that holds the generated coverage table, between its markers.
+TABLE_PAGE = REPO / "docs" / "families.md"
 
 
 def probe_module_text(probes: dict[tuple[str, str], str], vllm_version: str) -> str:
@@ -31,13 +32,16 @@ def probe_module_text(probes: dict[tuple[str, str], str], vllm_version: str) -> 
     )
 
 
-def readme_with_section(readme: str, section: str) -> str:
-    """The README with its coverage section replaced."""
+def coverage_section(page: str) -> str:
+    """The page's coverage section, markers included."""
     from derender_core.coverage import README_BEGIN, README_END
 
-    start = readme.index(README_BEGIN)
-    end = readme.index(README_END) + len(README_END)
-    return readme[:start] + section + readme[end:]
+    return page[page.index(README_BEGIN) : page.index(README_END) + len(README_END)]
+
+
+def page_with_section(page: str, section: str) -> str:
+    """The page with its coverage section replaced."""
+    return page.replace(coverage_section(page), section, 1)
 
 
 def main() -> None:
@@ -52,8 +56,9 @@ def main() -> None:
 
     importlib.reload(derender_core.coverage_probe)
     coverage = importlib.reload(derender_core.coverage)
-    README.write_text(readme_with_section(README.read_text(encoding="utf-8"), coverage.readme_section()), encoding="utf-8")
-    print(f"wrote {Path(PROBE_MODULE).relative_to(REPO)} and the coverage table in {README.relative_to(REPO)}")
+    page = TABLE_PAGE.read_text(encoding="utf-8")
+    TABLE_PAGE.write_text(page_with_section(page, coverage.readme_section()), encoding="utf-8")
+    print(f"wrote {Path(PROBE_MODULE).relative_to(REPO)} and the coverage table in {TABLE_PAGE.relative_to(REPO)}")
 
 
 if __name__ == "__main__":
