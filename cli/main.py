@@ -213,7 +213,7 @@ def parsers(
         opt.ParsersFormat,
         typer.Option(
             "--format",
-            help="markdown: the README's coverage table. jsonl: one JSON object per parser.",
+            help="markdown: the coverage table of docs/families.md. jsonl: one JSON object per parser.",
         ),
     ] = opt.ParsersFormat.markdown,
 ) -> None:

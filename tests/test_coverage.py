@@ -19,8 +19,8 @@ import pytest
 from derender_core.coverage import (
     FAMILIES,
     KNOWN_ISSUES,
-    README_BEGIN,
-    readme_section,
+    TABLE_BEGIN,
+    table_section,
     table_rows,
 )
 from derender_core.coverage_probe import PROBED_VLLM, PROBES
@@ -53,14 +53,14 @@ def test_parser_on_the_qwen3_sample(probe: ParserProbe, kind: str, name: str) ->
 
 
 def test_families_page_table_is_current() -> None:
-    assert coverage_section(TABLE_PAGE.read_text(encoding="utf-8")) == readme_section(), REGENERATE
+    assert coverage_section(TABLE_PAGE.read_text(encoding="utf-8")) == table_section(), REGENERATE
 
 
 def test_the_table_lives_on_one_page() -> None:
     """No other page keeps a copy of the table that the generator would
     leave to go stale."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    holding = [page.relative_to(REPO).as_posix() for page in pages if README_BEGIN in page.read_text(encoding="utf-8")]
+    holding = [page.relative_to(REPO).as_posix() for page in pages if TABLE_BEGIN in page.read_text(encoding="utf-8")]
     assert holding == [TABLE_PAGE.relative_to(REPO).as_posix()]
 
 

@@ -3,8 +3,8 @@
 ``python -m tests.update_coverage`` runs every registered parser on the
 bundled Qwen3 sample (`tests.parser_probe`), writes the outcomes to
 ``derender_core/coverage_probe.py``, and rewrites the section of
-``docs/families.md`` between `coverage.README_BEGIN` and `coverage.README_END`
-from `coverage.readme_section`. ``tests/test_coverage.py`` fails when either is
+``docs/families.md`` between `coverage.TABLE_BEGIN` and `coverage.TABLE_END`
+from `coverage.table_section`. ``tests/test_coverage.py`` fails when either is
 out of date.
 """
 
@@ -34,9 +34,9 @@ def probe_module_text(probes: dict[tuple[str, str], str], vllm_version: str) -> 
 
 def coverage_section(page: str) -> str:
     """The page's coverage section, markers included."""
-    from derender_core.coverage import README_BEGIN, README_END
+    from derender_core.coverage import TABLE_BEGIN, TABLE_END
 
-    return page[page.index(README_BEGIN) : page.index(README_END) + len(README_END)]
+    return page[page.index(TABLE_BEGIN) : page.index(TABLE_END) + len(TABLE_END)]
 
 
 def page_with_section(page: str, section: str) -> str:
@@ -57,7 +57,7 @@ def main() -> None:
     importlib.reload(derender_core.coverage_probe)
     coverage = importlib.reload(derender_core.coverage)
     page = TABLE_PAGE.read_text(encoding="utf-8")
-    TABLE_PAGE.write_text(page_with_section(page, coverage.readme_section()), encoding="utf-8")
+    TABLE_PAGE.write_text(page_with_section(page, coverage.table_section()), encoding="utf-8")
     print(f"wrote {Path(PROBE_MODULE).relative_to(REPO)} and the coverage table in {TABLE_PAGE.relative_to(REPO)}")
 
 
