@@ -131,7 +131,7 @@ def print_summary(console: Console, summary: Summary, *, verbose: bool = False) 
     )
     if total.resumed:
         were = "record was" if total.resumed == 1 else "records were"
-        console.print(f"  resumed: {total.resumed:,} {were} already in the outputs", markup=False)
+        console.print(f"  resumed: {total.resumed} {were} already in the outputs", markup=False)
     for path, report in summary.reports:
         if report.stopped_by is not None:
             console.print(

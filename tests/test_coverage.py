@@ -20,8 +20,8 @@ from derender_core.coverage import (
     FAMILIES,
     KNOWN_ISSUES,
     TABLE_BEGIN,
-    table_section,
     table_rows,
+    table_section,
 )
 from derender_core.coverage_probe import PROBED_VLLM, PROBES
 from derender_core.vllm_seam.stack import registered_parsers
