@@ -11,6 +11,7 @@ vLLM is imported only once a command runs, never for ``--help``.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -39,7 +40,7 @@ from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_pa
 from derender_core.parity import PATHS, Chunking
 
 from . import options as opt
-from .options import JOB_OPTIONS, RENDER_OPTIONS, job_fields, render_config
+from .options import COMPARE_OPTIONS, JOB_OPTIONS, RENDER_OPTIONS, job_fields, render_config
 from .progress import ProgressDisplay, print_outcome
 from .report import print_table, write_report
 from .server import server_app
@@ -61,29 +62,44 @@ warm_engines: WarmEngines | None = None
 call: the engine it already built for these settings, if any."""
 
 
+def with_shared_options(options: dict[str, tuple[Any, Any]], into: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command a set of flags several commands take (name: (type,
+    default)); they reach it as one dict, its keyword argument `into`."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != into]
+        extra = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+            for name, (annotation, default) in options.items()
+        ]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            kwargs[into] = {name: kwargs.pop(name) for name in options}
+            return command(**kwargs)
+
+        wrapper.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+        return wrapper
+
+    return decorate
+
+
 def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
     """Give a command every render-server flag; they reach it as one
-    `RenderConfig`, built from ``--config`` and the flags given. A command
-    that takes ``job`` gets the flags every derender job takes, too, as one
-    dict (`options.JOB_OPTIONS`)."""
-    params = inspect.signature(command).parameters
-    own = [p for p in params.values() if p.name not in ("config", "console", "job")]
-    shared = JOB_OPTIONS if "job" in params else {}
+    `RenderConfig`, built from ``--config`` and the flags given."""
+    own = [p for p in inspect.signature(command).parameters.values() if p.name not in ("config", "console")]
     extra = [
-        *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
-          for name, (annotation, default) in shared.items()),
-        *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=None)
-          for name, annotation in RENDER_OPTIONS.items()),
-    ]  # fmt: skip
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=None)
+        for name, annotation in RENDER_OPTIONS.items()
+    ]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> None:
         config_path = kwargs.pop("config")
         flags = {name: kwargs.pop(name) for name in RENDER_OPTIONS if name != "config"}
-        if shared:
-            kwargs["job"] = {name: kwargs.pop(name) for name in shared}
         console = Console(stderr=True, highlight=False, soft_wrap=True)
-        verbose = bool(kwargs.get("verbose") or kwargs.get("job", {}).get("verbose"))
+        verbose = bool(kwargs.get("verbose"))
         try:
             config = render_config(config_path, flags)
             code = command(config=config, console=console, **kwargs)
@@ -153,7 +169,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         return _derender(config, console, job, inputs=input_path, output=output, endpoint=endpoint)
 
     command.__doc__ = doc
-    return with_render_options(command)
+    return with_render_options(with_shared_options(JOB_OPTIONS, "job")(command))
 
 
 app.command("chat")(
@@ -182,6 +198,7 @@ app.command("completion")(
 
 @app.command()
 @with_render_options
+@with_shared_options(JOB_OPTIONS, "job")
 def stream(
     input_path: opt.InputArg,
     output: opt.StreamOutputOpt = "-",
@@ -245,25 +262,47 @@ def parsers(
         typer.echo(markdown_table(rows))
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """What `parity` and `diff` compare, and where their findings go."""
+
+    ignore: tuple[str, ...]
+    normalization: Normalization
+    report: str | None
+    quiet: bool
+
+    @classmethod
+    def of(cls, flags: dict[str, Any]) -> "Comparison":
+        """From `options.COMPARE_OPTIONS` as given."""
+        normalization = Normalization(flags["ignore_created"], flags["ignore_ids"], flags["null_is_absent"])
+        return cls(tuple(flags["ignore"] or ()), normalization, flags["report"], flags["quiet"])
+
+    @contextlib.contextmanager
+    def output(self, console: Console) -> Iterator[list[Divergence]]:
+        """Collects divergences; on the way out, the table and the report."""
+        found: list[Divergence] = []
+        yield found
+        if self.report is not None:
+            write_report(self.report, found)
+        if not self.quiet:
+            print_table(console, found)
+
+
 @app.command()
 @with_render_options
+@with_shared_options(COMPARE_OPTIONS, "compare")
 def parity(
     input_path: opt.OneInputArg,
     endpoint: Annotated[Endpoint, typer.Option("--endpoint", help="Chat or completion requests.")] = Endpoint.CHAT,
     paths: opt.PathsOpt = None,
     chunking: opt.ChunkingOpt = "1",
-    ignore: opt.IgnoreOpt = None,
-    report: opt.ReportOpt = None,
     requests: opt.RequestsOpt = None,
     stream: opt.StreamInputOpt = False,
     recorded: opt.FromServeOpt = None,
-    ignore_created: opt.CreatedOpt = True,
-    ignore_ids: opt.IdsOpt = True,
-    null_is_absent: opt.NullOpt = True,
-    quiet: opt.QuietOpt = False,
     *,
     config: RenderConfig,
     console: Console,
+    compare: dict[str, Any],
 ) -> int:
     """Run the same token ids through every path and report where they differ.
 
@@ -273,19 +312,20 @@ def parity(
     serve-oneshot (vllm serve's own handlers, streamed and not). Exit 1 when
     any divergence remains (or a record cannot be compared), 0 when none.
     """
+    comparison = Comparison.of(compare)
     spec = ParitySpec(
         input_path, endpoint, paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
-        ignore=ignore or (), normalization=Normalization(ignore_created, ignore_ids, null_is_absent),
+        ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
     )  # fmt: skip
 
     def skipped(request: Any) -> None:
         console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
 
-    with _comparison_output(console, report, quiet) as found:
+    with comparison.output(console) as found:
         result = run_parity(config, spec, skipped, warm=warm_engines)
         found += result.divergences
-    if not quiet:
+    if not comparison.quiet:
         console.print(
             f"derender: parity: {result.requests} requests, {len(found)} divergences, "
             f"{result.not_compared} not compared; paths {', '.join(spec.paths)}",
@@ -294,27 +334,13 @@ def parity(
     return ExitStatus.RECORDS_FAILED if found or result.not_compared else ExitStatus.OK
 
 
-@contextlib.contextmanager
-def _comparison_output(console: Console, report: str | None, quiet: bool) -> Iterator[list[Divergence]]:
-    """Collects divergences; on the way out, the table and the report."""
-    found: list[Divergence] = []
-    yield found
-    if report is not None:
-        write_report(report, found)
-    if not quiet:
-        print_table(console, found)
-
-
 @app.command()
+@with_shared_options(COMPARE_OPTIONS, "compare")
 def diff(
     expected: Annotated[str, typer.Argument(metavar="EXPECTED", help="Responses, stream answers or SSE transcripts (file or directory of .sse).")],
     actual: Annotated[str, typer.Argument(metavar="ACTUAL", help="The same requests' answers to compare.")],
-    ignore: opt.IgnoreOpt = None,
-    report: opt.ReportOpt = None,
-    ignore_created: opt.CreatedOpt = True,
-    ignore_ids: opt.IdsOpt = True,
-    null_is_absent: opt.NullOpt = True,
-    quiet: opt.QuietOpt = False,
+    *,
+    compare: dict[str, Any],
 ) -> None:
     """Compare two files of answers request by request.
 
@@ -327,7 +353,7 @@ def diff(
     no answer at all.
     """
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    normalization = Normalization(ignore_created, ignore_ids, null_is_absent)
+    comparison = Comparison.of(compare)
     try:
         sides = {expected: list(read_items(expected)), actual: list(read_items(actual))}
         empty = [path for path, items in sides.items() if not any(item.holds_answer for item in items)]
@@ -335,18 +361,15 @@ def diff(
             # "0 divergences" would read as agreement; nothing can be compared.
             console.print(f"derender: diff: no answers in {' or '.join(empty)}: nothing to compare", markup=False)
             raise typer.Exit(ExitStatus.NO_ANSWERS)
-        with _comparison_output(console, report, quiet) as found:
+        with comparison.output(console) as found:
             found += diff_items(
-                sides[expected],
-                sides[actual],
-                by_key=Path(expected).is_dir() and Path(actual).is_dir(),
-                ignore=ignore or (),
-                normalization=normalization,
-            )
+                sides[expected], sides[actual], by_key=Path(expected).is_dir() and Path(actual).is_dir(),
+                ignore=comparison.ignore, normalization=comparison.normalization,
+            )  # fmt: skip
     except DerenderError as exc:
         console.print(f"derender: error: {exc}", markup=False)
         raise typer.Exit(ExitStatus.USAGE) from None
-    if not quiet:
+    if not comparison.quiet:
         console.print(f"derender: diff: {len(found)} divergences", markup=False)
     raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
 

@@ -366,3 +366,13 @@ FromServeOpt = Annotated[
         "The answers' tokens run through every path and each path is compared with the recording.",
     ),
 ]
+
+COMPARE_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "ignore": (IgnoreOpt, None),
+    "report": (ReportOpt, None),
+    "ignore_created": (CreatedOpt, True),
+    "ignore_ids": (IdsOpt, True),
+    "null_is_absent": (NullOpt, True),
+    "quiet": (QuietOpt, False),
+}
+"""The flags of the commands that compare answers (`parity`, `diff`)."""
