@@ -117,11 +117,11 @@ def probe() -> None:
         import vllm.config  # noqa: F401
 
         marks["torch, transformers, vllm.config"] = time.time()
-        import vllm.entrypoints.common.cli_args  # noqa: F401
         import vllm.renderers
-        import vllm.renderers.online_derenderer  # noqa: F401
 
-        from derender_core.vllm_seam import live, render  # noqa: F401
+        from derender_core.vllm_seam import render
+
+        render.import_ahead()
     marks["vllm imported"] = time.time()
     gc.enable()
 
@@ -139,7 +139,9 @@ def probe() -> None:
         return wrapper
 
     vllm.renderers.renderer_from_config = timed_call("renderer_from_config", renderer_from_config)
-    cli.run = timed_call("records", cli.run)
+    from derender_core import jobs
+
+    jobs.run = timed_call("records", jobs.run)  # the batch loop, as the job calls it
     try:
         cli.main(QUICK_START + ["-o", os.devnull])
     except SystemExit as exc:
