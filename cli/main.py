@@ -151,12 +151,12 @@ def _discard_stdout() -> None:
         os.close(devnull)
 
 
-def _derender(config: RenderConfig, console: Console, job: dict[str, Any], **spec: Any) -> int:
+def _derender(config: RenderConfig, console: Console, job: dict[str, Any], **fields: Any) -> int:
     """The job, with progress on stderr while it runs and the summary after."""
-    spec_ = JobSpec(**spec, **job_fields(job))
+    spec = JobSpec(**fields, **job_fields(job))
     with ProgressDisplay(console, enabled=not job["quiet"]) as progress:
-        summary = run_job(config, spec_, progress, warm=warm_engines)
-    print_outcome(console, summary, quiet=job["quiet"], verbose=spec_.verbose)
+        summary = run_job(config, spec, progress, warm=warm_engines)
+    print_outcome(console, summary, quiet=job["quiet"], verbose=spec.verbose)
     return summary.return_code
 
 
