@@ -43,7 +43,7 @@ from . import options as opt
 from .options import COMPARE_OPTIONS, JOB_OPTIONS, RENDER_OPTIONS, job_fields, render_config
 from .progress import ProgressDisplay, print_outcome
 from .report import print_table, write_report
-from .server import server_app
+from .control import server_app
 
 app = typer.Typer(
     name="derender",

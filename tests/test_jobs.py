@@ -189,13 +189,13 @@ def test_parity_paths_are_checked() -> None:
 CORE = REPO / "derender_core"
 
 
-def _core_imports() -> dict[str, set[str]]:
-    """Each core module and the core modules it imports, at any depth of
-    its code, type-checking imports included: a circle there is a circle
-    a reader of the code must follow."""
+def _core_imports(package: Path = CORE) -> dict[str, set[str]]:
+    """Each module of `package` (the core by default) and the modules of it
+    that it imports, at any depth of its code, type-checking imports
+    included: a circle there is a circle a reader of the code must follow."""
     modules = {
         ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in CORE.rglob("*.py")
+        for path in package.rglob("*.py")
     }
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -227,7 +227,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         path.append(node)
         for target in sorted(graph[node]):
-            if target == "derender_core":
+            if target in ("derender_core", "cli"):
                 continue
             if state.get(target) == 1:
                 return path[path.index(target) :] + [target]
@@ -250,6 +250,18 @@ def test_the_core_has_no_import_circle() -> None:
     assert _circle(graph) is None, " -> ".join(_circle(graph) or [])
     # The check can fail: the circle errors -> batch -> errors that was.
     assert _circle({**graph, "derender_core.errors": {"derender_core.batch"}}) is not None
+
+
+def test_the_command_line_has_no_import_circle() -> None:
+    """The client, the warm server and the commands import one way: the
+    protocol they share (`wire`) imports none of them, and the server's
+    commands (`control`) none of the server."""
+    graph = _core_imports(REPO / "cli")
+    assert {"cli.entry", "cli.main", "cli.server", "cli.wire"} <= graph.keys()
+    assert _circle(graph) is None, " -> ".join(_circle(graph) or [])
+    assert graph["cli.wire"] == set()
+    # The check can fail: the circle main -> server -> main that was.
+    assert _circle({**graph, "cli.main": graph["cli.main"] | {"cli.server"}}) is not None
 
 
 def test_only_the_seam_imports_vllm() -> None:

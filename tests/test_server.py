@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from derender_cli.entry import SOCKET_NAME, request, send_message
-from derender_cli.server import process_alive as alive
+from derender_cli.control import process_alive as alive
+from derender_cli.wire import SOCKET_NAME, request, send_message
 
 from tests.helpers import REPO, normalized_bytes, offline_env
 
