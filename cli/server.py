@@ -673,8 +673,9 @@ def _run_command_line(argv: list[str], warm_engines: Any) -> int:
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+        if stream is not None:  # None: closed when the call began
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
 
 
 @contextlib.contextmanager

@@ -270,8 +270,10 @@ def stream_key(record: Record, job: Job) -> str | None:
         return None
     try:
         body = derender_body(record.payload, job.endpoint, stream=True, requests=None)
-    except RecordError:
-        body = {"generate_chunk": record.payload}  # a bare chunk, joined later by its request_id
+    except Exception:
+        # A bare chunk, joined later by its request_id (or a record that
+        # fails here too: its worker answers it with its error record).
+        body = {"generate_chunk": record.payload}
     return ChunkFacts.of(body, job.endpoint).request_id
 
 

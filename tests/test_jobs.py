@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import pytest
 
 from derender_core import (
     DerenderEngine,
+    Endpoint,
     ExitStatus,
     InputError,
     JobSpec,
@@ -297,3 +300,56 @@ def test_the_package_exports_what_users_need_and_no_more() -> None:
     from derender_core.batch import Job, run  # noqa: F401
     from derender_core.records import iter_records, open_input  # noqa: F401
     from derender_core.writers import JsonlWriter  # noqa: F401
+
+
+@pytest.mark.parametrize("workers", [0, -3])
+def test_a_job_with_no_workers_is_refused_as_the_command_line_refuses_it(
+    workers: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``-j 0`` and ``-j -3`` are usage errors on the command line (its
+    option's own range); from code they are too, before anything loads or
+    is written."""
+    monkeypatch.chdir(REPO)
+    observer = Recorder()
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ConfigError, match=f"--workers must be a whole number of at least 1, got {workers}"):
+        run_job(sample_config(), JobSpec(["sample_data/chat.jsonl"], str(out), workers=workers), observer)
+    assert observer.events == [] and not out.exists()
+    with pytest.raises(ConfigError, match="--ray-actors"):
+        JobSpec(["sample_data/chat.jsonl"], ray_actors=0)
+
+
+def test_a_spec_takes_an_endpoint_by_its_name(qwen3_stack: Stack, tmp_path: Path) -> None:
+    spec = JobSpec([str(SAMPLE / "completion.jsonl")], str(tmp_path / "out.jsonl"), endpoint="completion", workers=1)
+    assert spec.endpoint is Endpoint.COMPLETION
+    summary = run_job(qwen3_stack.config, spec, warm=_warm(qwen3_stack))
+    assert summary.return_code == ExitStatus.OK
+    assert {answer["object"] for answer in read_jsonl(tmp_path / "out.jsonl")} == {"text_completion"}
+    with pytest.raises(ConfigError, match="unknown endpoint 'nope'"):
+        JobSpec(["in.jsonl"], endpoint="nope")
+
+
+def test_a_run_started_with_sigint_ignored_keeps_ignoring_it(qwen3_stack: Stack, tmp_path: Path) -> None:
+    """A background job in a script starts with SIGINT ignored: a run keeps
+    ignoring it while it answers records, as while it started up (SIGTERM
+    still stops it cleanly)."""
+    records = (SAMPLE / "chat.jsonl").read_bytes() * 50
+    (tmp_path / "in.jsonl").write_bytes(records)
+    spec = JobSpec([str(tmp_path / "in.jsonl")], str(tmp_path / "out.jsonl"), workers=1)
+
+    class Interrupting(Recorder):
+        def update(self, report: Report) -> None:
+            super().update(report)
+            if report.records == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        observer = Interrupting()
+        summary = run_job(qwen3_stack.config, spec, observer, warm=_warm(qwen3_stack))
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ("stopping", signal.SIGINT) not in observer.events
+    assert summary.return_code == ExitStatus.OK and summary.total.stopped_by is None
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == summary.total.records == 200
