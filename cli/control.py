@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from .wire import LOG_NAME, NO_SERVER_VARIABLE, SOCKET_NAME, check_directory, request, server_directory
+from .wire import LOG_NAME, NO_SERVER_VARIABLE, SOCKET_NAME, check_directory, request, say, server_directory
 
 DEFAULT_IDLE_TIMEOUT = "30m"
 DEFAULT_ENGINES = 2
@@ -51,16 +51,16 @@ def start(idle_timeout: str, engines: int, wait: float = 600.0) -> int:
     try:
         idle = parse_duration(idle_timeout)
     except ValueError as exc:
-        print(f"derender: error: --idle-timeout: {exc}", file=sys.stderr)
+        say(f"derender: error: --idle-timeout: {exc}")
         return 2
     directory = server_directory()
     problem = _prepare_directory(directory)
     if problem:
-        print(f"derender: error: cannot start the server: {problem}", file=sys.stderr)
+        say(f"derender: error: cannot start the server: {problem}")
         return 2
     running = request({"command": "status"})
     if running is not None:
-        print(f"derender: a server already runs (pid {running['pid']}, {running['socket']})", file=sys.stderr)
+        say(f"derender: a server already runs (pid {running['pid']}, {running['socket']})")
         return 0
     ready_r, ready_w = os.pipe()
     env = {k: v for k, v in os.environ.items() if k != NO_SERVER_VARIABLE}
@@ -81,16 +81,14 @@ def start(idle_timeout: str, engines: int, wait: float = 600.0) -> int:
         line = ready.readline()
     if not line.startswith(b"ready"):
         process.wait(timeout=wait)
-        print(
+        say(
             f"derender: error: the server did not start (exit {process.returncode}); "
-            f"see {os.path.join(directory, LOG_NAME)}",
-            file=sys.stderr,
+            f"see {os.path.join(directory, LOG_NAME)}"
         )
         return 3
-    print(
+    say(
         f"derender: server ready (pid {process.pid}, {os.path.join(directory, SOCKET_NAME)}, "
-        f"idle timeout {idle_timeout if idle else 'none'})",
-        file=sys.stderr,
+        f"idle timeout {idle_timeout if idle else 'none'})"
     )
     return 0
 
@@ -99,7 +97,7 @@ def status() -> int:
     """Print the running server's state; exit 0 only while one runs."""
     state = request({"command": "status"})
     if state is None:
-        print("derender: no server running", file=sys.stderr)
+        say("derender: no server running")
         return 1
     print(
         f"derender server: pid {state['pid']}, {state['socket']}\n"
@@ -123,7 +121,7 @@ def stop(wait: float = 10.0) -> int:
     """Stop the server and its children; return once they are gone."""
     reply = request({"command": "stop"})
     if reply is None:
-        print("derender: no server running", file=sys.stderr)
+        say("derender: no server running")
         return 0
     pid = int(reply["pid"])
     deadline = time.monotonic() + wait
@@ -133,7 +131,7 @@ def stop(wait: float = 10.0) -> int:
                 os.kill(pid, signal.SIGKILL)
             break
         time.sleep(0.05)
-    print(f"derender: server stopped (pid {pid})", file=sys.stderr)
+    say(f"derender: server stopped (pid {pid})")
     return 0
 
 

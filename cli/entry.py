@@ -36,6 +36,7 @@ from .wire import (
     Replies,
     code_identity,
     connect,
+    say,
     send_message,
     server_directory,
 )
@@ -68,16 +69,10 @@ def occupy_closed_standard_fds() -> list[int]:
             closed.append(fd)
     for fd in closed:
         placeholder = os.open(os.devnull, os.O_RDWR)
-        if placeholder != fd:  # a lower one was closed too and took the lowest number first
+        if placeholder != fd:  # the lowest free number is this one, unless something raced us
             os.dup2(placeholder, fd)
             os.close(placeholder)
     return closed
-
-
-def _say(message: str) -> None:
-    """A message on stderr, if there is a stderr (``2>&-``: nowhere)."""
-    if sys.stderr is not None:
-        print(message, file=sys.stderr)
 
 
 def _ignored_signals() -> list[int]:
@@ -120,7 +115,7 @@ def forward(argv: list[str], closed: list[int]) -> int | None:
     sock, problem = connect(server_directory())
     if sock is None:
         if problem is not None and _verbose(argv):
-            _say(f"derender: running fresh, not on the warm server: {problem}")
+            say(f"derender: running fresh, not on the warm server: {problem}")
         return None
     with sock:
         umask = os.umask(0)
@@ -141,8 +136,8 @@ def forward(argv: list[str], closed: list[int]) -> int | None:
             "niceness": os.getpriority(os.PRIO_PROCESS, 0),
             "limits": _limits(),
             "ignored_signals": ignored,
+            # The standard descriptors that are open; the child closes the rest.
             "fds": fds,
-            "closed": closed,
             "code": code_identity(),
         }
         try:
@@ -155,12 +150,12 @@ def forward(argv: list[str], closed: list[int]) -> int | None:
                 reply = replies.next()
         except (OSError, ValueError) as exc:
             if _verbose(argv):
-                _say(f"derender: running fresh, the warm server did not answer: {exc}")
+                say(f"derender: running fresh, the warm server did not answer: {exc}")
             return None
         if reply is None or reply.get("event") != "started":
             if _verbose(argv):
                 why = "it went away" if reply is None else reply.get("reason", reply)
-                _say(f"derender: running fresh, not on the warm server: {why}")
+                say(f"derender: running fresh, not on the warm server: {why}")
             return None
         return _follow(replies, int(reply["pid"]), ignored)
 
@@ -203,7 +198,7 @@ def _follow(replies: Replies, child: int, ignored: list[int]) -> int:
                 os.killpg(child, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass_on(signal.SIGKILL, None)
-            _say("derender: the warm server went away mid-call; the run could not finish")
+            say("derender: the warm server went away mid-call; the run could not finish")
             return 3
         if reply.get("event") != "exit":
             continue

@@ -144,6 +144,8 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
 def _discard_stdout() -> None:
     """Point stdout at /dev/null, so that Python's exit-time flush of bytes
     a closed pipe or a full disk refused does not fail a second time."""
+    if sys.stdout is None:  # closed when the run began: nothing to flush
+        return
     with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
         stdout = sys.stdout.fileno()
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -31,6 +31,13 @@ CODE_PACKAGES = ("derender_core", "derender_cli")
 """The packages whose sources a warm call must share with the server."""
 
 
+def say(message: str) -> None:
+    """A message on stderr, if there is one: with stderr closed (``2>&-``)
+    it goes nowhere, never to stdout, which carries data only."""
+    if sys.stderr is not None:
+        print(message, file=sys.stderr)
+
+
 def default_directory() -> str:
     """Per user: under ``$XDG_RUNTIME_DIR`` when it is this user's, else
     ``/tmp/derender-<uid>``."""

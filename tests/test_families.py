@@ -576,7 +576,7 @@ def test_mistral_byte_piece_in_a_stream_state_is_the_servers_400_and_the_run_goe
     for live in (True, False):
         for stream_format in ("jsonl", "sse"):
             out = tmp_path / f"out-{live}.{stream_format}"
-            spec = JobSpec([str(path)], str(out), endpoint="completion", stream_format=stream_format, live=live, workers=1)
+            spec = JobSpec([str(path)], str(out), endpoint=Endpoint.COMPLETION, stream_format=stream_format, live=live, workers=1)
             summary = run_job(family.config, spec, warm=warm)
             assert summary.return_code == ExitStatus.RECORDS_FAILED, (live, stream_format)
             assert summary.total.records == len(bodies) and summary.total.errors == 1
