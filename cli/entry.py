@@ -7,12 +7,16 @@ and every call the server cannot take, runs fresh in this process
 (`run_fresh`), exactly as before.
 
 The call is handed over whole: argv, the working directory, the
-environment, the umask, and stdin, stdout and stderr themselves (their file
-descriptors, over the Unix socket with SCM_RIGHTS). The server's child
-writes to the same pipe, file or terminal this process would have, so
-``| head``, a TTY progress bar and redirections behave as in a fresh
-process. Ctrl-C, SIGTERM and SIGHUP sent here are passed on to the child,
-and its exit status (or the signal that ended it) becomes this process's.
+environment, the umask, the CPU affinity and niceness, the resource limits
+(``ulimit``), the signals this process ignores, and stdin, stdout and stderr
+themselves (their file descriptors, over the Unix socket with SCM_RIGHTS; a
+closed one is closed in the child too). The server's child writes to the
+same pipe, file or terminal this process would have, so ``| head``, a TTY
+progress bar and redirections behave as in a fresh process. Ctrl-C, SIGTERM
+and SIGHUP sent here are passed on to the child, and its exit status (or
+the signal that ended it) becomes this process's. The call also says which
+code it would run (`wire.code_identity`): a server started from other code
+sends it back to run fresh.
 
 Nothing here may hang: no server, a stale socket, a directory another user
 could write to, or a server that does not answer in time all make the call
@@ -21,158 +25,81 @@ run fresh; ``-v`` says why when a server was found but not used.
 
 from __future__ import annotations
 
-import json
 import os
+import resource
 import signal
-import socket
-import stat
-import struct
 import sys
-from typing import Any
+
+from .wire import (
+    NO_SERVER_VARIABLE,
+    PROTOCOL,
+    Replies,
+    code_identity,
+    connect,
+    say,
+    send_message,
+    server_directory,
+)
 
 WARM_COMMANDS = frozenset({"chat", "completion", "stream", "parity", "diff"})
 NO_SERVER_FLAG = "--no-server"
-NO_SERVER_VARIABLE = "DERENDER_NO_SERVER"
-"""Set (to anything but empty or 0) to run every call fresh."""
-DIRECTORY_VARIABLE = "DERENDER_SERVER_DIR"
-"""Where the server's socket lives; default `default_directory()`."""
-SOCKET_NAME = "server.sock"
-PROTOCOL = 1
 ACCEPT_TIMEOUT = 30.0
 """Seconds to wait for a busy server (building another call's engine) to
 take the call, before running it fresh."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_HEADER = struct.Struct("!I")
+_SET_BY_PYTHON = {signal.SIGPIPE, signal.SIGXFSZ}
+"""Ignored by every Python at start-up, the server's child included."""
 
 
-def default_directory() -> str:
-    """Per user: under ``$XDG_RUNTIME_DIR`` when it is this user's, else
-    ``/tmp/derender-<uid>``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        try:
-            info = os.stat(runtime)
-        except OSError:
-            info = None
-        if info is not None and info.st_uid == os.getuid() and not info.st_mode & 0o077:
-            return os.path.join(runtime, "derender")
-    return os.path.join("/tmp", f"derender-{os.getuid()}")
+def occupy_closed_standard_fds() -> list[int]:
+    """Of stdin, stdout and stderr, those closed when this process started,
+    each now held open on /dev/null.
 
-
-def server_directory() -> str:
-    return os.environ.get(DIRECTORY_VARIABLE) or default_directory()
-
-
-def check_directory(directory: str) -> str | None:
-    """Why the socket in `directory` must not be trusted, or None.
-
-    Only a directory this user owns and no one else can open keeps another
-    user from planting a socket there (and reading every call's input).
+    Python starts with ``sys.stdin`` (or ``sys.stdout``, ``sys.stderr``)
+    None for a closed descriptor, and that stays the sign that it is
+    closed. The descriptor itself must not stay free: the next file or
+    socket opened would take it, and a worker, a child or the warm server
+    would take that for the standard stream.
     """
-    try:
-        info = os.lstat(directory)
-    except FileNotFoundError:
-        return "no server directory"
-    except OSError as exc:
-        return f"cannot read {directory}: {exc.strerror}"
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{directory} is not a directory"
-    if info.st_uid != os.getuid():
-        return f"{directory} belongs to uid {info.st_uid}, not to this user"
-    if info.st_mode & 0o077:
-        return f"{directory} is open to other users (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
-def versions() -> dict[str, str]:
-    """What the server must match to answer for this installation."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("derender", "vllm"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "unknown"
-    return found
-
-
-def connect(directory: str, timeout: float = 2.0) -> tuple[socket.socket | None, str | None]:
-    """A connection to the server in `directory`, or why there is none.
-
-    The second item is None when simply no server runs (nothing worth
-    saying), a reason when one seemed to be there but cannot be used.
-    """
-    problem = check_directory(directory)
-    if problem == "no server directory":
-        return None, None
-    if problem is not None:
-        return None, problem
-    path = os.path.join(directory, SOCKET_NAME)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except FileNotFoundError:
-        sock.close()
-        return None, None
-    except OSError as exc:
-        sock.close()
-        # A socket left by a server that died: nobody listens.
-        return None, f"stale server socket {path} ({exc.strerror or exc})"
-    return sock, None
-
-
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
-    """A length-prefixed JSON message; descriptors travel with its prefix."""
-    data = json.dumps(message).encode()
-    prefix = _HEADER.pack(len(data))
-    if fds:
-        socket.send_fds(sock, [prefix], list(fds))
-    else:
-        sock.sendall(prefix)
-    sock.sendall(data)
-
-
-class Replies:
-    """The server's replies: one JSON object per line."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._file = sock.makefile("rb")
-
-    def next(self) -> dict[str, Any] | None:
-        """The next reply, None at end of connection."""
-        line = self._file.readline()
-        if not line.endswith(b"\n"):
-            return None
-        return json.loads(line)
-
-
-def request(
-    message: dict[str, Any], timeout: float = 10.0, directory: str | None = None
-) -> dict[str, Any] | None:
-    """A control call (status, stop); None when no server answers."""
-    sock, _ = connect(directory or server_directory(), timeout)
-    if sock is None:
-        return None
-    with sock:
-        try:
-            send_message(sock, {"protocol": PROTOCOL, **message})
-            return Replies(sock).next()
-        except (OSError, ValueError):
-            return None
-
-
-def _open_standard_fds() -> list[int]:
-    """Of stdin, stdout and stderr, those open (a closed one stays closed
-    in the server's child)."""
-    found = []
+    closed = []
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
+            closed.append(fd)
+    for fd in closed:
+        placeholder = os.open(os.devnull, os.O_RDWR)
+        if placeholder != fd:  # the lowest free number is this one, unless something raced us
+            os.dup2(placeholder, fd)
+            os.close(placeholder)
+    return closed
+
+
+def _ignored_signals() -> list[int]:
+    """Signals this process was started with ignored (``nohup``, a
+    background job with SIGINT ignored): a fresh run keeps ignoring them,
+    so the server's child must too."""
+    ignored = []
+    for signum in signal.valid_signals():
+        if signum in _SET_BY_PYTHON:
             continue
-        found.append(fd)
+        try:
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                ignored.append(int(signum))
+        except (OSError, ValueError):
+            continue
+    return ignored
+
+
+def _limits() -> dict[str, list[int]]:
+    """Every resource limit (``ulimit``) of this process, soft and hard."""
+    found = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                found[name] = list(resource.getrlimit(getattr(resource, name)))
+            except (OSError, ValueError):
+                continue
     return found
 
 
@@ -180,18 +107,21 @@ def _verbose(argv: list[str]) -> bool:
     return any(arg in ("-v", "--verbose") for arg in argv)
 
 
-def forward(argv: list[str]) -> int | None:
+def forward(argv: list[str], closed: list[int]) -> int | None:
     """Run the call on the warm server; its exit status, or None to run
-    it fresh here (nothing of the call has happened yet)."""
+    it fresh here (nothing of the call has happened yet). `closed`: the
+    standard descriptors this process started without
+    (`occupy_closed_standard_fds`), which the child closes too."""
     sock, problem = connect(server_directory())
     if sock is None:
         if problem is not None and _verbose(argv):
-            print(f"derender: running fresh, not on the warm server: {problem}", file=sys.stderr)
+            say(f"derender: running fresh, not on the warm server: {problem}")
         return None
     with sock:
         umask = os.umask(0)
         os.umask(umask)
-        fds = _open_standard_fds()
+        fds = [fd for fd in (0, 1, 2) if fd not in closed]
+        ignored = _ignored_signals()
         call = {
             "protocol": PROTOCOL,
             "command": "call",
@@ -200,11 +130,15 @@ def forward(argv: list[str]) -> int | None:
             "env": dict(os.environ),
             "umask": umask,
             # What a fresh process would inherit and the child must too:
-            # `-j`'s default counts the CPUs this process may use.
+            # `-j`'s default counts the CPUs this process may use, its
+            # limit the files it may open (`ulimit -n`).
             "affinity": sorted(os.sched_getaffinity(0)),
             "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+            "limits": _limits(),
+            "ignored_signals": ignored,
+            # The standard descriptors that are open; the child closes the rest.
             "fds": fds,
-            "versions": versions(),
+            "code": code_identity(),
         }
         try:
             sock.settimeout(ACCEPT_TIMEOUT)
@@ -216,18 +150,20 @@ def forward(argv: list[str]) -> int | None:
                 reply = replies.next()
         except (OSError, ValueError) as exc:
             if _verbose(argv):
-                print(f"derender: running fresh, the warm server did not answer: {exc}", file=sys.stderr)
+                say(f"derender: running fresh, the warm server did not answer: {exc}")
             return None
         if reply is None or reply.get("event") != "started":
             if _verbose(argv):
                 why = "it went away" if reply is None else reply.get("reason", reply)
-                print(f"derender: running fresh, not on the warm server: {why}", file=sys.stderr)
+                say(f"derender: running fresh, not on the warm server: {why}")
             return None
-        return _follow(replies, int(reply["pid"]))
+        return _follow(replies, int(reply["pid"]), ignored)
 
 
-def _follow(replies: Replies, child: int) -> int:
-    """Pass signals on to the server's child until it ends; its status."""
+def _follow(replies: Replies, child: int, ignored: list[int]) -> int:
+    """Pass signals on to the server's child until it ends; its status.
+    A signal this process was started with ignored stays ignored, as the
+    child ignores it."""
 
     def pass_on(signum: int, frame: object) -> None:
         try:
@@ -244,8 +180,10 @@ def _follow(replies: Replies, child: int) -> int:
         pass_on(signal.SIGCONT, None)
 
     for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, pass_on)
-    signal.signal(signal.SIGTSTP, suspend)
+        if signum not in ignored:
+            signal.signal(signum, pass_on)
+    if signal.SIGTSTP not in ignored:
+        signal.signal(signal.SIGTSTP, suspend)
     while True:
         try:
             reply = replies.next()
@@ -260,14 +198,13 @@ def _follow(replies: Replies, child: int) -> int:
                 os.killpg(child, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass_on(signal.SIGKILL, None)
-            print("derender: the warm server went away mid-call; the run could not finish", file=sys.stderr)
+            say("derender: the warm server went away mid-call; the run could not finish")
             return 3
         if reply.get("event") != "exit":
             continue
         if reply.get("signal"):
             # Die of the same signal, as the fresh process would have.
             signum = int(reply["signal"])
-            sys.stdout.flush()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return 128 + signum
@@ -302,6 +239,9 @@ def run_fresh(argv: list[str]) -> None:
 
 def main() -> None:
     """Console entry point."""
+    # Before any file or socket is opened, so none takes a standard
+    # descriptor's number.
+    closed = occupy_closed_standard_fds()
     argv = sys.argv[1:]
     bypass = NO_SERVER_FLAG in argv
     if bypass:
@@ -312,7 +252,7 @@ def main() -> None:
         and argv
         and argv[0] in WARM_COMMANDS
     ):
-        status = forward(argv)
+        status = forward(argv, closed)
         if status is not None:
             sys.exit(status)
     run_fresh(argv)

@@ -43,7 +43,7 @@ from . import options as opt
 from .options import COMPARE_OPTIONS, JOB_OPTIONS, RENDER_OPTIONS, job_fields, render_config
 from .progress import ProgressDisplay, print_outcome
 from .report import print_table, write_report
-from .server import server_app
+from .control import server_app
 
 app = typer.Typer(
     name="derender",
@@ -144,6 +144,8 @@ def with_render_options(command: Callable[..., int]) -> Callable[..., None]:
 def _discard_stdout() -> None:
     """Point stdout at /dev/null, so that Python's exit-time flush of bytes
     a closed pipe or a full disk refused does not fail a second time."""
+    if sys.stdout is None:  # closed when the run began: nothing to flush
+        return
     with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
         stdout = sys.stdout.fileno()
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -1,18 +1,24 @@
-"""`derender server`: a per-user warm server for shell pipelines.
+"""The warm server behind `derender server start`: a per-user process for
+shell pipelines.
 
 A fresh `derender` pays vLLM's imports and the engine build on every call;
 this process pays them once. It listens on a Unix socket in a directory
-only its user can open (`entry.server_directory`), takes each call from
+only its user can open (`wire.server_directory`), takes each call from
 `entry.forward` with the caller's stdin, stdout and stderr, and forks a
 child per call that runs the ordinary command line on those descriptors,
 with an engine already built for the call's settings (`main.warm_engines`).
-The child's exit status (or signal) goes back to the client.
+The child takes on everything else of the caller a fresh process would
+have: closed standard descriptors, environment, umask, CPU affinity,
+niceness, resource limits and ignored signals. The child's exit status (or
+signal) goes back to the client.
 
 Engines are kept by everything that shapes an answer (`engine_key`): the
-render settings, the identity of the model, tokenizer and chat template
-files, and the derender and vLLM versions; at most ``--engines`` of them,
-least recently used first out. Calls that cannot run from a fork (the
-serve flavor's live engine core, Ray) are sent back to run fresh.
+render settings, the resolved model, tokenizer and chat template and the
+content of their files; at most ``--engines`` of them, least recently used
+first out. Calls the server cannot answer as a fresh process would are sent
+back to run fresh (`WarmServer._fresh_reason`, `plan_call`): other code or
+versions, other import-time settings, limits a child cannot take on, the
+serve flavor's live engine core, Ray.
 
 Single-threaded on purpose: every fork happens from the one thread, so no
 lock can be held by a thread the child lacks.
@@ -24,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import hashlib
 import json
 import os
 import re
@@ -32,70 +39,90 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
 import traceback
 from collections import OrderedDict
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from .wire import HEADER, PIDFILE_NAME, PROTOCOL, SOCKET_NAME, code_differences, code_identity
 
-from .entry import (
-    _HEADER,
-    NO_SERVER_VARIABLE,
-    PROTOCOL,
-    SOCKET_NAME,
-    check_directory,
-    request,
-    server_directory,
-    versions,
+# Settings vLLM, transformers, torch and huggingface_hub read when imported
+# (the Hub cache's place among them): the server imported them with its
+# own, so a call with other values runs fresh.
+IMPORT_TIME_VARIABLES = re.compile(
+    r"^(VLLM_|HF_|HUGGINGFACE_|TRANSFORMERS_|TORCH|TIKTOKEN_|OMP_|MKL_|CUDA_)|^(HOME|XDG_CACHE_HOME)$"
 )
-
-DEFAULT_IDLE_TIMEOUT = "30m"
-DEFAULT_ENGINES = 2
-PIDFILE_NAME = "server.pid"
-LOG_NAME = "server.log"
-# Settings vLLM, transformers and torch read when imported: the server
-# imported them with its own, so a call with other values runs fresh.
-IMPORT_TIME_VARIABLES = re.compile(r"^(VLLM_|HF_|HUGGINGFACE_|TRANSFORMERS_|TORCH|TIKTOKEN_|OMP_|MKL_|CUDA_)")
+MAPPED_LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_STACK")
+"""Limits on memory the server has mapped already: a child cannot take on
+the caller's, so a call with others runs fresh."""
+DIGESTED_BYTES = 256 << 20
+"""Model files up to this size are keyed by their content; larger ones
+(weights, which no answer reads) by name and size."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+RACY_SECONDS = 2.0
+"""A content digest is reused for a file unchanged in every stat field,
+ctime included (which no tool can set back), once its last change is
+older than this: a change within the same timestamp tick cannot hide."""
 _PR_SET_PDEATHSIG = 1
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``90``, ``90s``, ``15m``, ``2h``; 0 means never."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
-    if not match:
-        raise ValueError(f"not a duration: {text!r} (e.g. 90s, 15m, 2h, 0 for never)")
-    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
 
 
 def engine_key(config: Any, cwd: str) -> tuple[str, ...]:
     """Everything that shapes the answers of an engine built from `config`
-    in `cwd`: the settings, the model files' identity, the versions."""
+    in `cwd`: the settings, and each file the model, tokenizer and chat
+    template name, resolved (a Hub id to its cached snapshot, links to
+    their targets) and by content, so a file rewritten in place with its
+    size and mtime kept (``rsync --inplace -t``) makes another key."""
     identity: list[str] = [repr(config)]
+    for role, path in resolved_files(config, cwd).items():
+        identity.append(f"{role}={path}")
+        if os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(files):
+                    with contextlib.suppress(OSError):
+                        identity.append(_file_identity(os.path.join(root, name), path))
+        elif os.path.isfile(path):
+            identity.append(_file_identity(path, os.path.dirname(path)))
+    return tuple(identity)
+
+
+def resolved_files(config: Any, cwd: str) -> dict[str, str]:
+    """The real path of the model, tokenizer and chat template `config`
+    names from `cwd` (a Hub id: its snapshot in the cache); an inline
+    template or an id not in the cache is left out (its text is in the
+    settings)."""
+    found = {}
     for role, value in (("model", config.model), ("tokenizer", config.tokenizer), ("chat_template", config.chat_template)):
         if not value:
             continue
         path = os.path.join(cwd, value)
         if role != "chat_template" and not os.path.exists(path):
-            # A Hub id: its snapshot in the cache (the commit is in the path).
             from derender_core import DerenderError
 
             with contextlib.suppress(DerenderError), _working_directory(cwd):
                 path = str(config.local_dirs()[role])
-        if os.path.isdir(path):
-            identity.append(os.path.realpath(path))
-            with os.scandir(path) as entries:
-                for entry in sorted(entries, key=lambda e: e.name):
-                    with contextlib.suppress(OSError):
-                        info = entry.stat()
-                        identity.append(f"{entry.name}:{info.st_size}:{info.st_mtime_ns}:{info.st_ino}")
-        elif os.path.isfile(path):
-            info = os.stat(path)
-            identity.append(f"{os.path.realpath(path)}:{info.st_size}:{info.st_mtime_ns}:{info.st_ino}")
-    identity += [f"{name} {version}" for name, version in sorted(versions().items())]
-    return tuple(identity)
+        if os.path.exists(path):
+            found[role] = os.path.realpath(path)
+    return found
+
+
+_DIGESTS: dict[tuple[Any, ...], str] = {}
+
+
+def _file_identity(path: str, top: str) -> str:
+    info = os.stat(path)
+    name = os.path.relpath(path, top)
+    if info.st_size > DIGESTED_BYTES or name.endswith(WEIGHT_SUFFIXES):
+        return f"{name}:{info.st_size}"
+    key = (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        with open(path, "rb") as source:
+            digest = hashlib.file_digest(source, "sha256").hexdigest()
+        if time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) > RACY_SECONDS * 1e9:
+            _DIGESTS[key] = digest
+    return f"{name}:{digest}"
 
 
 @dataclasses.dataclass
@@ -156,6 +183,10 @@ class Held:
 
     engine: Any
     config: Any
+    model_path: str
+    """The model directory the engine was built from, resolved (a Hub
+    id's snapshot, links followed): two engines from different
+    directories show different paths, whatever the caller typed."""
     build_seconds: float
     last_used: float
     calls: int = 0
@@ -183,7 +214,9 @@ class WarmServer:
         self.stopping = False
         self.environment: dict[str, str] = {}
         """The import-time settings vLLM and torch run with here (`warm_up`)."""
-        self.versions = versions()
+        self.code = code_identity()
+        """The code this server runs: taken before anything of it is
+        imported, so a file edited from then on shows as a difference."""
         self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
         self.wakeup_r, self.wakeup_w = os.pipe()
@@ -276,10 +309,10 @@ class WarmServer:
                 self._reply(conn, {"event": "refused", "reason": f"this server serves uid {os.getuid()} only"})
                 conn.close()
                 return
-            prefix, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-            if len(prefix) < _HEADER.size:
+            prefix, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+            if len(prefix) < HEADER.size:
                 raise ValueError("short message")
-            (length,) = _HEADER.unpack(prefix)
+            (length,) = HEADER.unpack(prefix)
             data = b""
             while len(data) < length:
                 chunk = conn.recv(length - len(data))
@@ -350,13 +383,15 @@ class WarmServer:
             self._client_gone(pid)
 
     def _fresh_reason(self, message: dict[str, Any]) -> str | None:
-        if message.get("versions") != self.versions:
-            return f"the server runs {self.versions}, this call {message.get('versions')}: restart the server"
+        """Why the call cannot run here as it would in a fresh process."""
+        differences = code_differences(message.get("code"), self.code)
+        if differences:
+            return f"the server runs other code than this call would ({'; '.join(differences)}): restart the server"
         theirs = _import_time_settings(message.get("env", {}))
         differing = sorted(k for k in theirs.keys() | self.environment.keys() if theirs.get(k) != self.environment.get(k))
         if differing:
             return f"the server was started with other {', '.join(differing)}"
-        return None
+        return _limits_problem(message.get("limits", {}))
 
     def _plan(self, message: dict[str, Any]) -> Plan:
         with _working_directory(message["cwd"]):
@@ -385,7 +420,8 @@ class WarmServer:
                 return
             # The children open their own event loops.
             engine.close()
-            held = Held(engine, config, time.perf_counter() - started, time.monotonic())
+            model_path = resolved_files(config, cwd).get("model", config.model)
+            held = Held(engine, config, model_path, time.perf_counter() - started, time.monotonic())
             self.engines[key] = held
             self._evict()
         self.engines.move_to_end(key)
@@ -433,6 +469,10 @@ class WarmServer:
             for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
                 signal.signal(signum, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            for signum in message.get("ignored_signals", ()):
+                # As the caller was started: a fresh process keeps them ignored.
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(signum, signal.SIG_IGN)
             self.selector.close()
             for fd in (self.wakeup_r, self.wakeup_w):
                 os.close(fd)
@@ -445,18 +485,22 @@ class WarmServer:
                 os.dup2(fd, target)
                 os.close(fd)
             for target in {0, 1, 2} - set(passed):
-                os.close(target)
+                _closed_standard_stream(target)
             os.chdir(message["cwd"])
             os.umask(int(message["umask"]))
             with contextlib.suppress(OSError, KeyError, ValueError):
                 os.sched_setaffinity(0, message["affinity"])
             with contextlib.suppress(OSError, KeyError, ValueError):
                 os.setpriority(os.PRIO_PROCESS, 0, int(message["niceness"]))
+            for name, (soft, hard) in message.get("limits", {}).items():
+                if name not in MAPPED_LIMITS:  # those are equal (`_limits_problem`)
+                    with contextlib.suppress(OSError, ValueError, AttributeError):
+                        resource.setrlimit(getattr(resource, name), (soft, hard))
             os.environ.clear()
             os.environ.update(message["env"])
             for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
-                with contextlib.suppress(OSError, ValueError):
-                    stream.reconfigure(line_buffering=fd == 2 or os.isatty(fd))  # type: ignore[attr-defined]
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.reconfigure(line_buffering=fd == 2 or os.isatty(fd))  # type: ignore[union-attr]
             sys.argv = ["derender", *message["argv"]]
             gc.enable()
             status = _run_command_line(message["argv"], self.lookup(message["cwd"]))
@@ -516,10 +560,10 @@ class WarmServer:
             "calls_running": len(self.calls),
             "children": sorted(self.calls),
             "max_engines": self.max_engines,
-            "versions": self.versions,
+            "versions": self.code["versions"],
             "engines": [
                 {
-                    "model": held.config.model,
+                    "model": held.model_path,
                     "settings": {k: v for k, v in held.config.given().items() if k != "model"},
                     "build_seconds": held.build_seconds,
                     "idle_seconds": now - held.last_used,
@@ -549,6 +593,50 @@ class WarmServer:
                 os.unlink(os.path.join(self.directory, name))
         if self.listener is not None:
             self.listener.close()
+
+
+_STANDARD_STREAMS = {0: "stdin", 1: "stdout", 2: "stderr"}
+
+
+def _closed_standard_stream(fd: int) -> None:
+    """Make standard descriptor `fd` closed as Python sees a closed one at
+    start-up (``sys.stdin`` and the rest None), held on /dev/null so no
+    file or socket this process opens takes its number (as
+    `entry.occupy_closed_standard_fds` does in a fresh process)."""
+    placeholder = os.open(os.devnull, os.O_RDWR)
+    os.dup2(placeholder, fd)
+    os.close(placeholder)
+    name = _STANDARD_STREAMS[fd]
+    setattr(sys, name, None)
+    setattr(sys, f"__{name}__", None)
+
+
+def _limits_problem(limits: dict[str, Any]) -> str | None:
+    """Why the caller's resource limits cannot be this server's child's,
+    or None: a limit above what this process may raise to, or another
+    limit on memory this process has mapped already."""
+    privileged = os.geteuid() == 0
+    for name, (soft, hard) in sorted(limits.items()):
+        which = getattr(resource, name, None)
+        if which is None:
+            continue
+        ours = resource.getrlimit(which)
+        if name in MAPPED_LIMITS:
+            if [soft, hard] != list(ours):
+                return f"the call's {name} ({_shown_limit(soft)}) is not the server's ({_shown_limit(ours[0])})"
+        elif not privileged and _above(hard, ours[1]):
+            return f"the call's {name} hard limit ({_shown_limit(hard)}) is above the server's ({_shown_limit(ours[1])})"
+    return None
+
+
+def _above(limit: int, bound: int) -> bool:
+    if bound == resource.RLIM_INFINITY:
+        return False
+    return limit == resource.RLIM_INFINITY or limit > bound
+
+
+def _shown_limit(limit: int) -> str:
+    return "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
 
 
 def _import_time_settings(environ: Any) -> dict[str, str]:
@@ -585,8 +673,9 @@ def _run_command_line(argv: list[str], warm_engines: Any) -> int:
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+        if stream is not None:  # None: closed when the call began
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
 
 
 @contextlib.contextmanager
@@ -605,127 +694,6 @@ def _rss_mib() -> float:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# -- `derender server start | status | stop` --------------------------------
-
-
-def _prepare_directory(directory: str) -> str | None:
-    """Create the socket directory, owner-only; why it cannot be used."""
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create {directory}: {exc.strerror}"
-    info = os.lstat(directory)
-    if info.st_uid == os.getuid() and info.st_mode & 0o077:
-        os.chmod(directory, 0o700)
-    return check_directory(directory)
-
-
-def start(idle_timeout: str, engines: int, wait: float = 600.0) -> int:
-    """Start the server in the background; return once it answers."""
-    try:
-        idle = parse_duration(idle_timeout)
-    except ValueError as exc:
-        print(f"derender: error: --idle-timeout: {exc}", file=sys.stderr)
-        return 2
-    directory = server_directory()
-    problem = _prepare_directory(directory)
-    if problem:
-        print(f"derender: error: cannot start the server: {problem}", file=sys.stderr)
-        return 2
-    running = request({"command": "status"})
-    if running is not None:
-        print(f"derender: a server already runs (pid {running['pid']}, {running['socket']})", file=sys.stderr)
-        return 0
-    ready_r, ready_w = os.pipe()
-    env = {k: v for k, v in os.environ.items() if k != NO_SERVER_VARIABLE}
-    with open(os.path.join(directory, LOG_NAME), "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "derender_cli.server", directory, str(idle), str(engines), str(ready_w)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            pass_fds=(ready_w,),
-            start_new_session=True,
-            env=env,
-            cwd="/",
-        )
-    os.close(ready_w)
-    with os.fdopen(ready_r, "rb") as ready:
-        # The server writes one line once it listens, or dies trying.
-        line = ready.readline()
-    if not line.startswith(b"ready"):
-        process.wait(timeout=wait)
-        print(
-            f"derender: error: the server did not start (exit {process.returncode}); "
-            f"see {os.path.join(directory, LOG_NAME)}",
-            file=sys.stderr,
-        )
-        return 3
-    print(
-        f"derender: server ready (pid {process.pid}, {os.path.join(directory, SOCKET_NAME)}, "
-        f"idle timeout {idle_timeout if idle else 'none'})",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def status() -> int:
-    """Print the running server's state; exit 0 only while one runs."""
-    state = request({"command": "status"})
-    if state is None:
-        print("derender: no server running", file=sys.stderr)
-        return 1
-    print(
-        f"derender server: pid {state['pid']}, {state['socket']}\n"
-        f"  up {state['uptime_seconds']:.0f} s, idle {state['idle_seconds']:.0f} s "
-        f"(exits after {state['idle_timeout_seconds']:.0f} s idle; 0 = never), "
-        f"RSS {state['rss_mib']:.0f} MiB\n"
-        f"  calls: {state['calls_served']} served, {state['calls_running']} running; "
-        f"derender {state['versions']['derender']}, vLLM {state['versions']['vllm']}\n"
-        f"  engines held: {len(state['engines'])} of at most {state['max_engines']}"
-    )
-    for engine in state["engines"]:
-        settings = json.dumps(engine["settings"], default=str)
-        print(
-            f"    {engine['model']} {settings}: built in {engine['build_seconds']:.1f} s, "
-            f"{engine['calls']} calls, idle {engine['idle_seconds']:.0f} s"
-        )
-    return 0
-
-
-def stop(wait: float = 10.0) -> int:
-    """Stop the server and its children; return once they are gone."""
-    reply = request({"command": "stop"})
-    if reply is None:
-        print("derender: no server running", file=sys.stderr)
-        return 0
-    pid = int(reply["pid"])
-    deadline = time.monotonic() + wait
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    print(f"derender: server stopped (pid {pid})", file=sys.stderr)
-    return 0
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def _serve(directory: str, idle_timeout: float, engines: int, ready_fd: int) -> None:
@@ -748,51 +716,6 @@ def _serve(directory: str, idle_timeout: float, engines: int, ready_fd: int) -> 
         server.shutdown()
     sys.stderr.flush()
     os._exit(0)
-
-
-
-# --- the `derender server` commands -------------------------------------------------
-
-server_app = typer.Typer(
-    name="server",
-    help=(
-        "A per-user warm server for shell pipelines: it keeps vLLM imported and built "
-        "engines in memory, and answers every chat, completion, stream, parity and diff "
-        "call while it runs (pass --no-server, or set DERENDER_NO_SERVER=1, to run one "
-        "fresh). Output and exit statuses are a fresh process's."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-
-@server_app.command("start")
-def server_start(
-    idle_timeout: Annotated[
-        str,
-        typer.Option("--idle-timeout", metavar="DURATION", help="Exit after this long without calls: 90s, 15m, 2h; 0 never."),
-    ] = DEFAULT_IDLE_TIMEOUT,
-    engines: Annotated[
-        int,
-        typer.Option("--engines", min=1, metavar="N", help="Built engines kept (least recently used out first); each holds a tokenizer, ~1.4 GB for Qwen3."),
-    ] = DEFAULT_ENGINES,
-) -> None:
-    """Start the server in the background; returns once it answers."""
-    raise typer.Exit(start(idle_timeout, engines))
-
-
-@server_app.command("status")
-def server_status() -> None:
-    """Show the engines held, memory and idle time; exit 0 only while a server runs."""
-    raise typer.Exit(status())
-
-
-@server_app.command("stop")
-def server_stop() -> None:
-    """Stop the server and every call it is answering."""
-    raise typer.Exit(stop())
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Like vLLM's ``run_batch`` every input record gets exactly one answer, a
 response or an error record; unlike it, nothing is read ahead, so memory
 does not grow with the input. A bad record never ends a run: it gets an
-error record naming the field and the problem, and the run goes on. Only
-an input or output that fails mid-run stops it (`RunIncomplete`), after
-writing what was answered.
+error record naming the field and the problem, and the run goes on; so does
+a record that hits a bug anywhere between being read and being handed to
+the writer (`RecordProcessor.process`, `Outcome.failed`). Only an input or
+output that fails mid-run stops it (`RunIncomplete`), after writing what
+was answered.
 """
 
 from __future__ import annotations
@@ -155,6 +157,13 @@ class Outcome:
     logs: tuple[LogLine, ...] = ()
     """What vLLM logged while the record was derendered."""
 
+    def failed(self, engine: Derenderer, exc: Exception) -> Outcome:
+        """This outcome once `exc` hit its answer after it was made (turning
+        it into bytes for a worker's message or for the output): the
+        server's catch-all answer for it, as for any bug a record hits, so
+        the record gets its error record and the run goes on."""
+        return dataclasses.replace(self, answer=engine.internal_error(exc), traceback=traceback.format_exc())
+
 
 @dataclass(frozen=True)
 class Restored:
@@ -261,8 +270,10 @@ def stream_key(record: Record, job: Job) -> str | None:
         return None
     try:
         body = derender_body(record.payload, job.endpoint, stream=True, requests=None)
-    except RecordError:
-        body = {"generate_chunk": record.payload}  # a bare chunk, joined later by its request_id
+    except Exception:
+        # A bare chunk, joined later by its request_id (or a record that
+        # fails here too: its worker answers it with its error record).
+        body = {"generate_chunk": record.payload}
     return ChunkFacts.of(body, job.endpoint).request_id
 
 
@@ -313,10 +324,18 @@ def run(
     with tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=job.verbose):
         try:
             for record, outcome in answer_all(records):
-                # Counted before it is written: a record the output refused
-                # was still answered.
+                try:
+                    writer.add(outcome.answer, outcome.facts)
+                except (StreamFailure, BrokenPipeError):
+                    # A record the output refused was still answered.
+                    report.count(record, outcome)
+                    raise
+                except Exception as exc:
+                    # Not the output's failure but the record's: its answer
+                    # could not be made into the output's bytes.
+                    outcome = outcome.failed(engine, exc)
+                    writer.add(outcome.answer, outcome.facts)
                 report.count(record, outcome)
-                writer.add(outcome.answer, outcome.facts)
                 if outcome.completed:
                     assert outcome.facts is not None
                     writer.complete(outcome.facts.request_id)

@@ -32,7 +32,8 @@ class StopRequest:
 @contextlib.contextmanager
 def stop_on_signals(on_first: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
     """While inside, SIGINT and SIGTERM set the returned request instead of
-    killing the process; a second one raises KeyboardInterrupt. `on_first`
+    killing the process (one this process ignores stays ignored); a second
+    one raises KeyboardInterrupt. `on_first`
     is told the first signal (to say that the run is stopping). Off the
     main thread (a library call in a thread) Python allows no handlers:
     the run then stops only with its process."""
@@ -48,7 +49,13 @@ def stop_on_signals(on_first: Callable[[int], None] | None = None) -> Iterator[S
         if on_first is not None:
             on_first(signum)
 
-    previous = {signum: signal.signal(signum, handle) for signum in STOP_SIGNALS}
+    # A signal the process was started with ignored (a background job in
+    # a script, nohup) stays ignored, as it was while the run started up.
+    previous = {
+        signum: signal.signal(signum, handle)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) != signal.SIG_IGN
+    }
     try:
         yield request
     finally:

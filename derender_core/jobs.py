@@ -38,11 +38,11 @@ from .datasets import (
     open_records,
     output_name,
 )
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
-from .records import RequestIndex, iter_records, open_input, open_output, refuse_overwriting
+from .records import RequestIndex, iter_records, open_input, open_output, refuse_overwriting, standard_stream
 from .responses import read_items
 from .resume import (
     Manifest,
@@ -108,6 +108,11 @@ class JobSpec:
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
             object.__setattr__(self, "inputs", (self.inputs,))
+        object.__setattr__(self, "endpoint", _checked_endpoint(self.endpoint))
+        for name, flag in (("workers", "--workers"), ("ray_actors", "--ray-actors")):
+            count = getattr(self, name)
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+                raise ConfigError(f"{flag} must be a whole number of at least 1, got {count!r}")
         if not self.inputs:
             raise InputError("no input: name at least one file, or - for stdin")
         if self.stream_format not in (None, *STREAM_FORMATS):
@@ -130,6 +135,19 @@ class JobSpec:
     def job(self, requests: RequestIndex | None = None) -> Job:
         """What each record goes through."""
         return Job(self.endpoint, stream=self.stream, requests=requests, lenient=self.lenient, verbose=self.verbose)
+
+
+def _checked_endpoint(value: Endpoint | str) -> Endpoint:
+    """The endpoint a spec names, given as a member or its value.
+
+    Raises:
+        ConfigError: naming the endpoints.
+
+    """
+    try:
+        return Endpoint.of(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class Target(NamedTuple):
@@ -224,6 +242,10 @@ def run_job(
         [*(("-o", target.output) for target in plan), ("--errors", spec.errors),
          *((f"the manifest of {out}", manifest_path(out)) for out in manifested)],
     )  # fmt: skip
+    if "-" in spec.inputs:
+        standard_stream("stdin")
+    if any(target.output == "-" for target in plan):
+        standard_stream("stdout")
     for path in spec.inputs:
         # exists, not isfile: a pipe (`<(zcat ...)`, /dev/stdin) is an input too.
         if path != "-" and not os.path.exists(path):
@@ -414,7 +436,12 @@ def _run_one(
         except RunIncomplete as incomplete:
             report = incomplete.report
     if keeper is not None:
-        keeper.close(writer.records_written)
+        try:
+            keeper.close(writer.records_written)
+        except StreamFailure as failure:
+            # The run's own file, as a failing output: the summary says how
+            # far the run got.
+            report.unfinished = report.unfinished or str(failure)
     report.stopped_by = stop.signal
     report.resumed = done
     return report
@@ -535,6 +562,7 @@ class ParitySpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", parity_paths(self.paths))
+        object.__setattr__(self, "endpoint", _checked_endpoint(self.endpoint))
 
 
 @dataclass

@@ -23,6 +23,22 @@ class Endpoint(str, Enum):
     CHAT = "chat"
     COMPLETION = "completion"
 
+    @classmethod
+    def of(cls, value: Endpoint | str) -> Endpoint:
+        """The endpoint `value` names (a member, or its value as text):
+        what every entry point taking an endpoint accepts.
+
+        Raises:
+            ValueError: naming the endpoints, for anything else.
+
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown endpoint {value!r}: {', '.join(repr(member.value) for member in cls)}"
+            ) from None
+
     @property
     def path(self) -> str:
         """The HTTP path of the endpoint on the render server."""
@@ -118,11 +134,13 @@ class Answer:
 class StreamAnswer(Answer):
     """A successful streaming answer, kept as its parts.
 
-    The chunk's bytes are made at once (serialising it can fail, as it can
-    on the server); the state stays an object, carried to the next call as
-    is, and is serialised only when the whole answer's bytes are read. SSE
-    and assembled output never read them, so a stream whose state grows with
-    its length costs O(1) per call there.
+    The chunk's bytes are made at once, and the state is tried (serialising
+    either can fail, as it can on the server, and the call is then that
+    error, in every output format); the state stays an object, carried to
+    the next call as is, and a live state, which grows with its stream, is
+    serialised only when the whole answer's bytes are read. SSE and
+    assembled output never read them, so a live stream costs O(1) per call
+    there.
     """
 
     def __init__(

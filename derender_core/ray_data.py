@@ -76,7 +76,7 @@ from .logs import LogLine
 from .protocol import Endpoint
 from .records import GZIP_MAGIC, ZSTD_MAGIC, Record, ZstdReader, numbered_lines
 from .streams import ChunkFacts
-from .workers import decode_outcome, encode_outcome
+from .workers import answered, decode_outcome
 from .writers import ErrorLog, Writer
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ class Derender:
             "status": [], "response": [], "tokens": [], "facts": [], "completed": [], "detail": [], "traceback": [], "logs": [],
         }  # fmt: skip
         for record in records_from_table(batch, self.job, first_number=1, origin="batch"):
-            status, raw, chunk_raw, facts, completed, tokens, detail, trace, logs = encode_outcome(
-                processor.process(record), self.whole_stream_answers
+            status, raw, chunk_raw, facts, completed, tokens, detail, trace, logs = answered(
+                processor, record, self.whole_stream_answers
             )
             columns["status"].append(status)
             columns["response"].append((raw if raw is not None else chunk_raw or b"").decode("utf-8"))

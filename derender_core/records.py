@@ -153,7 +153,7 @@ def open_input(path: str) -> Iterator[BinaryIO]:
     transparently. ``fileno()`` of what it yields is the file read, so the
     bytes read so far are its OS position."""
     if path == "-":
-        raw: BinaryIO = sys.stdin.buffer
+        raw: BinaryIO = standard_stream("stdin").buffer
         owned = False
     else:
         try:
@@ -178,6 +178,21 @@ def open_input(path: str) -> Iterator[BinaryIO]:
     finally:
         if owned:
             buffered.close()
+
+
+def standard_stream(name: str) -> Any:
+    """``sys.stdin`` or ``sys.stdout``, what ``-`` names.
+
+    Raises:
+        InputError: when the process was started with it closed (``<&-``,
+            ``>&-``: Python then sets it to None), as for a file that
+            cannot be opened.
+
+    """
+    stream = getattr(sys, name)
+    if stream is None:
+        raise InputError(f"cannot {'read' if name == 'stdin' else 'write'} {name}: it is closed")
+    return stream
 
 
 class ZstdReader(io.RawIOBase):
@@ -696,7 +711,7 @@ def open_output(path: str, *, append: bool = False) -> Iterator[OutputFile]:
 
     """
     if path == "-":
-        output = OutputFile(sys.stdout.buffer, "stdout")
+        output = OutputFile(standard_stream("stdout").buffer, "stdout")
         with _flushed(output):
             yield output
         return

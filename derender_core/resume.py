@@ -26,6 +26,7 @@ from this run (`check_resume`), before the model loads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -192,6 +193,10 @@ class Manifest:
                 target.write(self.to_json())
             os.replace(partial, path)
         except OSError as exc:
+            # A full disk leaves the aside copy empty or cut: the manifest
+            # in place (if any) is still whole, so only the copy goes.
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
             raise failure(f"cannot write {path}: {exc.strerror or exc}") from None
 
     def differences(self, now: Manifest) -> list[str]:

@@ -11,7 +11,8 @@ plays that client for a file of calls, keeping one state per
   index answered last for its request, as a client carrying one state per
   stream would send;
 - a body that carries ``stream_state`` is sent as it is, which reproduces
-  one exact captured server call; its answer's state is threaded onward;
+  one exact captured server call (an explicit ``null`` is a fresh start,
+  as the server takes it); its answer's state is threaded onward;
 - a failed call leaves the state as it was.
 
 Replay mode: every call goes through vLLM's own per-call path, so outputs and
@@ -46,7 +47,7 @@ class ChunkFacts:
     expected_choices: int
     expects_usage: bool
     has_state: bool
-    """The body brings its own stream_state."""
+    """The body brings its own stream_state (null included: a fresh start)."""
 
     @classmethod
     def of(cls, body: Any, endpoint: Endpoint) -> ChunkFacts:
@@ -68,7 +69,9 @@ class ChunkFacts:
             usage_only=not choices and chunk.get("usage") is not None,
             expected_choices=n if isinstance(n, int) and n > 0 else 1,
             expects_usage=_mapping(request.get("stream_options")).get("include_usage") is True,
-            has_state=body.get("stream_state") is not None,
+            # An explicit null is the client's own choice too: the server
+            # starts the stream afresh for it.
+            has_state="stream_state" in body,
         )
 
 

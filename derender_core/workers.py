@@ -323,7 +323,7 @@ def _work(
                     processor.restore(item.record, item.answer)
                     results.append(None)
                 else:
-                    results.append(encode_outcome(processor.process(item), whole_stream_answers))
+                    results.append(answered(processor, item, whole_stream_answers))
         except Exception:
             outbox.put(_Failed(index, traceback.format_exc()))
             return
@@ -354,6 +354,17 @@ def _pickled(batch: list[Record | Restored]) -> bytes:
         return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         sys.setrecursionlimit(limit)
+
+
+def answered(processor: RecordProcessor, record: Record, whole_stream_answers: bool) -> _Wire:
+    """A record's outcome, as it travels back (`encode_outcome`). An answer
+    that cannot be made into bytes is the record's failure, not the
+    worker's: it travels as the record's error record (`Outcome.failed`)."""
+    outcome = processor.process(record)
+    try:
+        return encode_outcome(outcome, whole_stream_answers)
+    except Exception as exc:
+        return encode_outcome(outcome.failed(processor.engine, exc), whole_stream_answers)
 
 
 def encode_outcome(outcome: Outcome, whole_stream_answers: bool) -> _Wire:

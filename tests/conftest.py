@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ SERVER_DIRECTORY = Path(tempfile.mkdtemp(prefix="derender-tests-server-"))
 os.environ["DERENDER_NO_SERVER"] = "1"
 os.environ["DERENDER_SERVER_DIR"] = str(SERVER_DIRECTORY)
 atexit.register(shutil.rmtree, SERVER_DIRECTORY, ignore_errors=True)
+# A suite started in the background of a script (`pytest &`) starts with
+# SIGINT ignored, and every `derender` it starts would inherit that and
+# rightly keep ignoring it; the tests that stop a run with Ctrl-C's signal
+# need the ordinary disposition (those about an ignored one set it).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 from tests.model_factory import build_deepseek_v4, build_llama3
 from tests.sample_inputs import (
     Family,

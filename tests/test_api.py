@@ -149,3 +149,20 @@ def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack, request: p
     assert messages(mapped) == messages(expected)
     assert [row["error"] for row in mapped] == [e["error"] for e in expected]
     assert sum(row["message"] is not None for row in mapped) >= 3
+
+
+def test_post_takes_an_endpoint_by_its_name_and_refuses_an_unknown_one(qwen3_stack: Stack) -> None:
+    """`Endpoint` is a str enum: "chat" and "completion" name the endpoints
+    wherever one is taken, and anything else is a ValueError naming them,
+    not a 500 for the record."""
+    engine = qwen3_stack.engine
+    chat = next(body for body in chat_bodies(qwen3_stack.builder) if engine.post(Endpoint.CHAT, body).ok)
+    completion = next(body for body in completion_bodies(qwen3_stack.builder) if engine.post(Endpoint.COMPLETION, body).ok)
+    for name, body in (("chat", chat), ("completion", completion)):
+        by_name, by_member = engine.post(name, body), engine.post(Endpoint(name), body)
+        assert by_name.status == by_member.status == 200, by_name.raw[:300]
+        assert normalize(by_name.body) == normalize(by_member.body)
+    with pytest.raises(ValueError, match="unknown endpoint 'nope': 'chat', 'completion'"):
+        engine.post("nope", chat)
+    with pytest.raises(ValueError, match="unknown endpoint"):
+        engine.in_mode(live=True).post("/v1/chat/completions/derender", chat)

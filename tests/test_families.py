@@ -39,7 +39,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from derender_core import DerenderEngine, Endpoint, ServeEngine
+from derender_core import DerenderEngine, Endpoint, ExitStatus, JobSpec, ServeEngine, run_job
 from derender_core.batch import Job
 from derender_core.coverage import FAMILIES, KNOWN_ISSUES, FamilyCase
 from derender_core.parity import Parity, requests_of
@@ -524,6 +524,67 @@ def test_mistral_mode_decodes_characters_split_across_tokens_as_replacement_char
         note = json.loads(arguments_[0])["note"]
         assert "\ufffd" in note
         assert note.startswith("北京多云 ") and note.endswith("°C, «ß»")
+
+
+TEKKEN_BYTE_PIECE = 1226
+"""A tekken id whose piece is a lone byte (0xE2): vLLM's mistral tokenizer
+gives it as ``bytes``, which JSON cannot hold."""
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_mistral_byte_piece_in_a_stream_state_is_the_servers_400_and_the_run_goes_on(
+    family: Stack, tmp_path: Path
+) -> None:
+    """vLLM 0.33, ``--tokenizer-mode mistral``: a streaming call whose decode
+    window ends in a byte piece cannot serialise its stream_state, and the
+    server answers it with a 400 (``Object of type bytes is not JSON
+    serializable``); the next call goes on from the state before it. That
+    call's answer is the server's, in every output format, and the other
+    records are answered."""
+    name = family.builder.family.served_name
+
+    def body(request_id: str, ids: list[int], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "stream": True, "model": name, "prompt_token_ids": [1, 1056],
+            "completion_request": {"model": name, "prompt": "Count:", "max_tokens": 50},
+            "generate_chunk": {"request_id": request_id, "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish}]},
+        }  # fmt: skip
+
+    bodies = [
+        body("byte-piece", [1049]), body("plain", [1049]), body("byte-piece", [TEKKEN_BYTE_PIECE]),
+        body("plain", [1050]), body("byte-piece", [1049]), body("plain", [1051], "stop"), body("byte-piece", [1050], "stop"),
+    ]  # fmt: skip
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(b) + b"\n" for b in bodies))
+    server = server_stream_answers(family.server, Endpoint.COMPLETION, bodies)
+    assert [status for status, _ in server] == [200, 200, 400, 200, 200, 200, 200]
+    assert server[2][1]["error"]["message"] == "Object of type bytes is not JSON serializable"
+
+    def warm(config: Any) -> DerenderEngine | None:
+        return family.engine if config == family.config else None
+
+    sse = b""
+    for request_id in ("plain", "byte-piece"):  # in the order their streams end
+        events = [
+            b"data: " + (json.dumps(answer["chunk"], ensure_ascii=False, separators=(",", ":")) if status == 200
+                         else json.dumps(answer, ensure_ascii=False, separators=(",", ":"))).encode() + b"\n\n"
+            for sent, (status, answer) in zip(bodies, server, strict=True)
+            if sent["generate_chunk"]["request_id"] == request_id
+        ]  # fmt: skip
+        sse += b"".join(events) + b"data: [DONE]\n\n"
+    for live in (True, False):
+        for stream_format in ("jsonl", "sse"):
+            out = tmp_path / f"out-{live}.{stream_format}"
+            spec = JobSpec([str(path)], str(out), endpoint=Endpoint.COMPLETION, stream_format=stream_format, live=live, workers=1)
+            summary = run_job(family.config, spec, warm=warm)
+            assert summary.return_code == ExitStatus.RECORDS_FAILED, (live, stream_format)
+            assert summary.total.records == len(bodies) and summary.total.errors == 1
+            if stream_format == "jsonl":
+                got = [json.loads(line) for line in out.read_bytes().splitlines()]
+                assert normalize(got) == normalize([answer for _, answer in server]), f"live={live}"
+            else:
+                assert normalized_bytes(out.read_bytes()) == normalized_bytes(sse), f"live={live}"
 
 
 @pytest.mark.parametrize("family", ["xlam"], indirect=True)

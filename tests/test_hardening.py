@@ -380,6 +380,40 @@ def test_a_full_disk_is_a_run_that_could_not_finish(cli: CliRunner, tmp_path: Pa
     assert re.search(r"[1-4] records were answered; 0 written in full to /dev/full", result.stderr)
 
 
+def test_a_full_disk_while_the_manifest_is_written_says_how_far_the_run_got(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up after the output's last record is written, as the
+    manifest beside it is rewritten: the run could not finish (exit 3), the
+    summary says how many records were answered and written, and the
+    manifest's aside copy (``.NAME.derender.json.partial``), which the
+    full disk left empty, is gone."""
+    from derender_core import resume
+
+    written = []
+
+    def full_after_the_first(path: str, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith(".derender.json.partial"):
+            written.append(path)
+            if len(written) > 1:
+                Path(path).touch()  # opened, as on a full disk, and nothing fits
+                return open("/dev/full", mode)  # noqa: SIM115 - closed by the caller
+        return open(path, mode, *args, **kwargs)  # noqa: SIM115 - closed by the caller
+
+    monkeypatch.setattr(resume, "open", full_after_the_first, raising=False)
+    out = tmp_path / "out.jsonl"
+    result = invoke(cli, "chat", "sample_data/chat.jsonl", "-o", str(out), "-j", "1", *FLAGS)
+    assert len(written) > 1, "the manifest was written once only"
+    assert result.exit_code == 3, result.stderr
+    manifest = tmp_path / ".out.jsonl.derender.json"
+    assert (
+        f"derender: the run could not finish: cannot write {manifest}: No space left on device. "
+        f"4 records were answered; 4 written in full to {out}."
+    ) in result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == [manifest.name, out.name]
+    assert "Traceback" not in result.stderr
+
+
 def test_stdout_on_a_full_disk_exits_3_quietly() -> None:
     """A real process: Python's own exit-time flush of stdout must not fail
     again once the run has said it could not finish."""

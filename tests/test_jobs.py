@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import pytest
 
 from derender_core import (
     DerenderEngine,
+    Endpoint,
     ExitStatus,
     InputError,
     JobSpec,
@@ -189,13 +192,13 @@ def test_parity_paths_are_checked() -> None:
 CORE = REPO / "derender_core"
 
 
-def _core_imports() -> dict[str, set[str]]:
-    """Each core module and the core modules it imports, at any depth of
-    its code, type-checking imports included: a circle there is a circle
-    a reader of the code must follow."""
+def _core_imports(package: Path = CORE) -> dict[str, set[str]]:
+    """Each module of `package` (the core by default) and the modules of it
+    that it imports, at any depth of its code, type-checking imports
+    included: a circle there is a circle a reader of the code must follow."""
     modules = {
         ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in CORE.rglob("*.py")
+        for path in package.rglob("*.py")
     }
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -227,7 +230,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         path.append(node)
         for target in sorted(graph[node]):
-            if target == "derender_core":
+            if target in ("derender_core", "cli"):
                 continue
             if state.get(target) == 1:
                 return path[path.index(target) :] + [target]
@@ -250,6 +253,18 @@ def test_the_core_has_no_import_circle() -> None:
     assert _circle(graph) is None, " -> ".join(_circle(graph) or [])
     # The check can fail: the circle errors -> batch -> errors that was.
     assert _circle({**graph, "derender_core.errors": {"derender_core.batch"}}) is not None
+
+
+def test_the_command_line_has_no_import_circle() -> None:
+    """The client, the warm server and the commands import one way: the
+    protocol they share (`wire`) imports none of them, and the server's
+    commands (`control`) none of the server."""
+    graph = _core_imports(REPO / "cli")
+    assert {"cli.entry", "cli.main", "cli.server", "cli.wire"} <= graph.keys()
+    assert _circle(graph) is None, " -> ".join(_circle(graph) or [])
+    assert graph["cli.wire"] == set()
+    # The check can fail: the circle main -> server -> main that was.
+    assert _circle({**graph, "cli.main": graph["cli.main"] | {"cli.server"}}) is not None
 
 
 def test_only_the_seam_imports_vllm() -> None:
@@ -285,3 +300,56 @@ def test_the_package_exports_what_users_need_and_no_more() -> None:
     from derender_core.batch import Job, run  # noqa: F401
     from derender_core.records import iter_records, open_input  # noqa: F401
     from derender_core.writers import JsonlWriter  # noqa: F401
+
+
+@pytest.mark.parametrize("workers", [0, -3])
+def test_a_job_with_no_workers_is_refused_as_the_command_line_refuses_it(
+    workers: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``-j 0`` and ``-j -3`` are usage errors on the command line (its
+    option's own range); from code they are too, before anything loads or
+    is written."""
+    monkeypatch.chdir(REPO)
+    observer = Recorder()
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ConfigError, match=f"--workers must be a whole number of at least 1, got {workers}"):
+        run_job(sample_config(), JobSpec(["sample_data/chat.jsonl"], str(out), workers=workers), observer)
+    assert observer.events == [] and not out.exists()
+    with pytest.raises(ConfigError, match="--ray-actors"):
+        JobSpec(["sample_data/chat.jsonl"], ray_actors=0)
+
+
+def test_a_spec_takes_an_endpoint_by_its_name(qwen3_stack: Stack, tmp_path: Path) -> None:
+    spec = JobSpec([str(SAMPLE / "completion.jsonl")], str(tmp_path / "out.jsonl"), endpoint="completion", workers=1)
+    assert spec.endpoint is Endpoint.COMPLETION
+    summary = run_job(qwen3_stack.config, spec, warm=_warm(qwen3_stack))
+    assert summary.return_code == ExitStatus.OK
+    assert {answer["object"] for answer in read_jsonl(tmp_path / "out.jsonl")} == {"text_completion"}
+    with pytest.raises(ConfigError, match="unknown endpoint 'nope'"):
+        JobSpec(["in.jsonl"], endpoint="nope")
+
+
+def test_a_run_started_with_sigint_ignored_keeps_ignoring_it(qwen3_stack: Stack, tmp_path: Path) -> None:
+    """A background job in a script starts with SIGINT ignored: a run keeps
+    ignoring it while it answers records, as while it started up (SIGTERM
+    still stops it cleanly)."""
+    records = (SAMPLE / "chat.jsonl").read_bytes() * 50
+    (tmp_path / "in.jsonl").write_bytes(records)
+    spec = JobSpec([str(tmp_path / "in.jsonl")], str(tmp_path / "out.jsonl"), workers=1)
+
+    class Interrupting(Recorder):
+        def update(self, report: Report) -> None:
+            super().update(report)
+            if report.records == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        observer = Interrupting()
+        summary = run_job(qwen3_stack.config, spec, observer, warm=_warm(qwen3_stack))
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ("stopping", signal.SIGINT) not in observer.events
+    assert summary.return_code == ExitStatus.OK and summary.total.stopped_by is None
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == summary.total.records == 200

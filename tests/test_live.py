@@ -235,3 +235,24 @@ def test_any_chunking_is_the_same_live_and_replayed(
     )
     bodies = [stream_body(plan, chunk, b.family.served_name) for chunk in generate_chunks(plan)]
     assert_live_equals_replay(stack.engine, Endpoint.CHAT, bodies)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETION])
+def test_an_explicit_null_state_starts_the_stream_afresh_as_on_the_server(qwen3_stack: Stack, endpoint: Endpoint) -> None:
+    """A body with ``"stream_state": null`` is a fresh start for the server
+    (the role again, ``output_chunk_lens`` [1]); a missing state is not:
+    the client's threaded one goes with it. Every later call threads from
+    the fresh start's answer, live and replayed alike."""
+    b = qwen3_stack.builder
+    plans = stream_plans(b)[:1] if endpoint is Endpoint.CHAT else completion_stream_plans(b)[:1]
+    bodies = stream_bodies(b, plans)
+    middle = len(bodies) // 2
+    bodies[middle] = {**bodies[middle], "stream_state": None}
+    expected = [answer for _, answer in server_stream_answers(qwen3_stack.server, endpoint, bodies)]
+    if endpoint is Endpoint.CHAT:
+        assert expected[middle]["stream_state"]["output_chunk_lens"] == [len(bodies[middle]["generate_chunk"]["choices"][0]["token_ids"])]
+        assert expected[middle]["chunk"]["choices"][0]["delta"]["role"] == "assistant"
+    for live in (True, False):
+        got = answers(qwen3_stack.engine.in_mode(live=live), endpoint, bodies)
+        assert normalize(got) == normalize(expected), f"live={live}"

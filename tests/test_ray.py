@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,20 @@ ray = pytest.importorskip("ray")
 
 
 
+USAGE_POLLER = "data-usage-metrics-poller"
+"""Ray Data's usage collection polls Prometheus from a daemon thread of the
+driver every 10 s, for the life of the process, and logs each failed query;
+after the cluster is gone its log handler fails too (``--- Logging
+error ---`` after the suite's summary). The suite collects no usage."""
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_worker_niceness", "0")
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("RAY_DATA_USAGE_DISABLED", "1")
     two_nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     two_nodes.add_node(num_cpus=1)
     two_nodes.wait_for_nodes()
@@ -57,6 +67,7 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         two_nodes.shutdown()
+        monkeypatch.undo()
 
 
 def local_answers(stack: Stack, job: Job, lines: list[bytes], sse: bool = False) -> bytes:
@@ -121,6 +132,8 @@ def test_map_batches_with_a_shipped_model_answers_as_one_process(
     got = b"".join(row["response"].encode() + b"\n" for row in answered)
     assert normalized_bytes(got) == normalized_bytes(local_answers(stack, Job(Endpoint.CHAT), lines))
     assert {row["status"] for row in answered} >= {200, 400, 404}
+    # Nothing of Ray Data lives on in this process to log after the suite.
+    assert USAGE_POLLER not in {thread.name for thread in threading.enumerate()}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[bytes]:

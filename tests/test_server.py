@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from derender_cli.entry import SOCKET_NAME, request, send_message
-from derender_cli.server import process_alive as alive
+from derender_cli.control import process_alive as alive
+from derender_cli.wire import SOCKET_NAME, request, send_message
 
 from tests.helpers import REPO, normalized_bytes, offline_env
 
@@ -394,6 +394,160 @@ def test_a_server_killed_mid_call_then_a_stale_socket_then_the_idle_exit(tmp_pat
     assert wait_until(lambda: not alive(pid), 60)
     assert not (own.directory / SOCKET_NAME).exists()
     assert own.run("server", "status").returncode == 1
+
+
+def _in_a_shell(server: Server, script: str, *, fresh: bool, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    """`script` in bash, ``$DERENDER`` the client: redirections and
+    ``ulimit`` as a user types them. A hang fails the test (timeout)."""
+    env = {**(env or server.env), "DERENDER": CLI}
+    if fresh:
+        env["DERENDER_NO_SERVER"] = "1"
+    return subprocess.run(["bash", "-c", script], capture_output=True, cwd=REPO, env=env, timeout=120)
+
+
+def _same_as_fresh(server: Server, script: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    """Run `script` fresh, then warm (on the server), each writing into a
+    directory of its own (``$OUT``): the same exit status, stdout, stderr
+    and files. The warm run's result."""
+    results = {}
+    for mode in ("fresh", "warm"):
+        out = tmp_path / mode
+        out.mkdir()
+        before = server.served()
+        results[mode] = _in_a_shell(server, script, fresh=mode == "fresh", env={**(env or server.env), "OUT": str(out)})
+        assert server.served() == before + (mode == "warm"), f"{mode}: {results[mode].stderr.decode()}"
+    fresh, warm = results["fresh"], results["warm"]
+    assert warm.returncode == fresh.returncode, (fresh.stderr.decode(), warm.stderr.decode())
+    assert normalized_bytes(warm.stdout) == normalized_bytes(fresh.stdout)
+    assert summary_shape(warm.stderr.replace(bytes(tmp_path / "warm"), b"$OUT")) == summary_shape(
+        fresh.stderr.replace(bytes(tmp_path / "fresh"), b"$OUT")
+    )
+    assert b"Traceback" not in warm.stderr + fresh.stderr
+    names = sorted(path.name for path in (tmp_path / "fresh").iterdir())
+    assert names == sorted(path.name for path in (tmp_path / "warm").iterdir())
+    for name in names:
+        assert normalized_bytes((tmp_path / "warm" / name).read_bytes()) == normalized_bytes((tmp_path / "fresh" / name).read_bytes())
+    return warm
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "message"),
+    [
+        ('"$DERENDER" chat - --config sample_data/qwen3.yaml -o "$OUT/o.jsonl" <&-', 2, b"cannot read stdin: it is closed"),
+        ('"$DERENDER" chat sample_data/chat_errors.jsonl --config sample_data/qwen3.yaml -j 1 -o "$OUT/o.jsonl" 2>&-', 1, b""),
+        ('"$DERENDER" chat sample_data/chat.jsonl --config sample_data/qwen3.yaml >&-', 2, b"cannot write stdout: it is closed"),
+    ],
+    ids=["stdin", "stderr", "stdout"],
+)
+def test_a_closed_standard_descriptor_is_closed_in_the_call(
+    server: Server, tmp_path: Path, script: str, status: int, message: bytes
+) -> None:
+    """The client's socket never takes the place of a closed stdin, stdout
+    or stderr, and the call's child has them closed as a fresh process
+    does: the same answer, at once (no hang, no SIGTERM)."""
+    warm = _same_as_fresh(server, script, tmp_path)
+    assert warm.returncode == status, warm.stderr.decode()
+    assert message in warm.stderr
+    if status == 1:  # stderr closed: the summary went nowhere, the answers to the file
+        assert warm.stderr == b""
+        assert len((tmp_path / "warm" / "o.jsonl").read_bytes().splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "message"),
+    [
+        ('ulimit -n 96; "$DERENDER" chat sample_data/chat.jsonl --config sample_data/qwen3.yaml -j 8', 2,
+         b"the open-file limit (ulimit -n) is 96"),
+        ('ulimit -f 1; "$DERENDER" chat sample_data/chat.jsonl --config sample_data/qwen3.yaml -j 1 -o "$OUT/o.jsonl"', 3,
+         b"File too large"),
+    ],
+    ids=["open-files", "file-size"],
+)
+def test_the_callers_resource_limits_are_the_calls(server: Server, tmp_path: Path, script: str, status: int, message: bytes) -> None:
+    warm = _same_as_fresh(server, script, tmp_path)
+    assert warm.returncode == status, warm.stderr.decode()
+    assert message in warm.stderr
+
+
+def test_a_signal_the_caller_ignores_stays_ignored(server: Server, tmp_path: Path) -> None:
+    """A background job in a script starts with SIGINT ignored: Ctrl-C's
+    signal reaches the warm call as it would a fresh one, and is ignored."""
+    records = (REPO / "sample_data" / "chat.jsonl").read_bytes() * 500
+    (tmp_path / "in.jsonl").write_bytes(records)
+    out = tmp_path / "out.jsonl"
+    client = server.popen(
+        "chat", str(tmp_path / "in.jsonl"), *CONFIG, "-j", "1", "-o", str(out),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert wait_until(lambda: out.exists() and out.stat().st_size > 0, 120), client.stderr.read().decode()  # type: ignore[union-attr]
+    client.send_signal(signal.SIGINT)
+    _, stderr = client.communicate(timeout=120)
+    assert client.returncode == 0, stderr.decode()
+    assert b"model (warm)" in stderr and b"stopped by" not in stderr
+    assert len(out.read_bytes().splitlines()) == 2000
+
+
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HOME"])
+def test_another_cache_home_runs_fresh_and_says_why(server: Server, tmp_path: Path, variable: str) -> None:
+    """Where huggingface_hub looks for a Hub id is settled when it is
+    imported, from these: the server's would not be the caller's."""
+    before = server.served()
+    done = server.run(*CALLS["usage-error"], "-v", env={**server.env, variable: str(tmp_path)})
+    assert done.returncode == 2
+    assert f"running fresh, not on the warm server: the server was started with other {variable}".encode() in done.stderr
+    assert server.served() == before
+
+
+def test_a_memory_limit_the_server_cannot_take_on_runs_fresh_and_says_why(server: Server, tmp_path: Path) -> None:
+    """``ulimit -v``: the server's memory is mapped already, so its child
+    cannot run under the caller's limit as a fresh process would."""
+    before = server.served()
+    done = _in_a_shell(server, 'ulimit -v 50000000; "$DERENDER" chat sample_data/chat.jsonl --no-such-flag -v', fresh=False)
+    assert done.returncode == 2
+    assert b"running fresh, not on the warm server: the call's RLIMIT_AS (51200000000)" in done.stderr
+    assert server.served() == before
+
+
+def test_other_code_runs_fresh_and_says_why(server: Server, tmp_path: Path) -> None:
+    """PYTHONPATH at another copy of derender (as an editable install edited
+    since the server started): the call runs that code, fresh."""
+    copy = tmp_path / "code"
+    shutil.copytree(REPO / "derender_core", copy / "derender_core", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "cli", copy / "derender_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    progress = copy / "derender_cli" / "progress.py"
+    progress.write_text(progress.read_text().replace('f"derender: {total.records} records', 'f"derender (edited): {total.records} records'))
+    before = server.served()
+    done = server.run(*CALLS["chat"], "-v", env={**server.env, "PYTHONPATH": str(copy)})
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"running fresh, not on the warm server: the server runs other code than this call would" in done.stderr
+    assert b"derender (edited): 4 records" in done.stderr
+    assert server.served() == before
+
+
+def test_a_model_file_edited_in_place_gets_an_engine_of_its_own(server: Server, tmp_path: Path) -> None:
+    """`rsync --inplace -t` rewrites a file keeping its size, mtime and
+    inode: the server keys engines by content, and shows each by its real
+    path (here behind a link)."""
+    model = tmp_path / "qwen3"
+    shutil.copytree(REPO / "sample_data" / "qwen3", model)
+    (tmp_path / "link").symlink_to(model)
+    call = ["chat", "sample_data/chat.jsonl", *CONFIG, "--model", str(tmp_path / "link"), "-j", "1"]
+    first = server.run(*call)
+    assert first.returncode == 0, first.stderr.decode()
+    config = model / "config.json"
+    info = config.stat()
+    text = config.read_bytes()
+    edited = text.replace(b'"max_position_embeddings": 40960', b'"max_position_embeddings":    16')
+    assert edited != text and len(edited) == len(text)
+    with open(config, "r+b") as in_place:
+        in_place.write(edited)
+    os.utime(config, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert (config.stat().st_size, config.stat().st_mtime_ns, config.stat().st_ino) == (info.st_size, info.st_mtime_ns, info.st_ino)
+    second = server.run(*call)
+    assert second.returncode == 1, second.stderr.decode()
+    assert b"exceeds max_model_len (16)" in second.stderr and b"model (warm)" in second.stderr
+    shown = server.run("server", "status").stdout.decode()
+    assert f"    {model.resolve()} " in shown and str(tmp_path / "link") not in shown
 
 
 def test_stop_leaves_no_process_behind(server: Server, big_input: Path, tmp_path: Path) -> None:

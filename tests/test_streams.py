@@ -81,3 +81,15 @@ def test_any_body_shape_is_tolerated(value: Any) -> None:
     ledger = StreamLedger()
     assert ledger.with_state(value, facts) is value
     ledger.settle(facts, FAILED)
+
+
+def test_an_explicit_null_state_is_sent_as_is_and_its_answer_threaded_on() -> None:
+    """``"stream_state": null`` is the client's own choice (a fresh start
+    for the server), not a missing state to fill in."""
+    ledger = StreamLedger()
+    call(ledger, body("a", 0), ok("s1"))
+    fresh = {**body("a", 0), "stream_state": None}
+    facts = ChunkFacts.of(fresh, Endpoint.CHAT)
+    assert facts.has_state and ledger.with_state(fresh, facts) is fresh
+    ledger.settle(facts, ok("s2"))
+    assert call(ledger, body("a", 0), ok("s3")) == ("s2", False)

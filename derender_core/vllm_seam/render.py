@@ -187,7 +187,10 @@ class DerenderEngine(CodeAPI):
         return derenderer.table.kind or "incremental"
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
-        """Answer one derender call as ``POST endpoint.path`` would."""
+        """Answer one derender call as ``POST endpoint.path`` would.
+        `endpoint` may be given by its value ("chat"); anything else
+        raises ValueError."""
+        endpoint = Endpoint.of(endpoint)
         derenderer = self._serving.online_derenderer
         derenderer.live = self.live
         derenderer.decode_mode = self.decode
@@ -512,7 +515,7 @@ def _json_answer(content: Any, status: int = 200, spliced: Sequence[str | None] 
             marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
     try:
         raw = bytes(JSONResponse(content=content, status_code=status).body)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         return _unserialisable(exc)
     for mark, rendered in marks:
         raw = raw.replace(mark, rendered, 1)
@@ -536,9 +539,9 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _unserialisable(exc: ValueError) -> Answer:
-    """What the app's ValueError handler answers when the response cannot
-    be serialised (a non-finite float, say)."""
+def _unserialisable(exc: ValueError | TypeError) -> Answer:
+    """What the app's ValueError and TypeError handlers answer when the
+    response cannot be serialised (a non-finite float, a byte string)."""
     from fastapi.responses import JSONResponse
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
@@ -547,13 +550,45 @@ def _unserialisable(exc: ValueError) -> Answer:
 
 
 def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
-    """A successful streaming answer: the chunk serialised now (it can fail,
-    as on the server), the state kept as the object vLLM returned."""
+    """A successful streaming answer, or the error the server answers when
+    it cannot serialise it: the chunk, then the state, as its one
+    ``JSONResponse`` over both fails. Tried now, whatever the output
+    format, so every format shows the server's answer for the call and
+    the state threads on only from an answer the server gives (a tekken
+    byte piece in the decode window is a ``bytes``: a 400).
+
+    The state is kept as the object vLLM returned, with its bytes made now
+    where that costs what the call costs anyway (`_checked_state`)."""
     try:
         chunk_raw = render_json(chunk)
-    except ValueError as exc:
+        state_raw = _checked_state(state)
+    except (ValueError, TypeError) as exc:
         return _unserialisable(exc)
-    return StreamAnswer(chunk, chunk_raw, state, _dump_state)
+    if state_raw is None:
+        return StreamAnswer(chunk, chunk_raw, state, _dump_state)
+    return StreamAnswer(chunk, chunk_raw, state, lambda _state: state_raw)
+
+
+_LIVE_HISTORY = frozenset({"output_token_ids", "output_chunk_lens", "logprob_context_token_ids", "last_tool_call_ids"})
+"""A live state's fields that grow with its stream."""
+
+
+def _checked_state(state: Any) -> bytes | None:
+    """Raise what serialising `state` raises; its bytes, when made.
+
+    A window state (streams without a parser) is bounded, and a replay
+    state is rebuilt in O(n) per call anyway: both are serialised now. A
+    live state (`live.LiveState`) grows with its stream, so only what can
+    hold a value JSON refuses is tried, in O(1): its growing fields hold
+    token ids and counts the chunks carried (validated integers) and the
+    parser's tool-call ids (strings), the rest is the carried state it
+    started from, and None comes back.
+    """
+    stream = getattr(state, "stream", None)
+    if stream is None:
+        return _dump_state(state)
+    render_state(stream.base.model_dump(exclude=_LIVE_HISTORY))
+    return None
 
 
 def _vocab_size(tokenizer: Any) -> int:

@@ -554,6 +554,7 @@ class ServeEngine(DerenderEngine):
         return self._loop.run_until_complete(coroutine)
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
+        endpoint = Endpoint.of(endpoint)
         # The handler re-reads the original request from the raw body, as
         # the client would send it to serve.
         self._body = body
