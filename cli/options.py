@@ -290,7 +290,7 @@ IgnoreOpt = Annotated[
         metavar="FIELD",
         help="A field not to compare (content, reasoning, tool_calls, finish_reason, "
         "stop_reason, usage, logprobs, system_fingerprint, role_frame, empty_frames, "
-        "finish_frame, null_fields, stop_logic, ...); repeat for several.",
+        "finish_frame, null_fields, stop_logic, prompt_token_ids, ...); repeat for several.",
     ),
 ]
 ReportOpt = Annotated[

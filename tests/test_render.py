@@ -14,6 +14,7 @@ import copy
 import gzip
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,14 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from derender_core import Endpoint, ExitStatus, JobSpec, RenderError, run_job
+from derender_core import DerenderEngine, Endpoint, ExitStatus, JobSpec, RenderConfig, RenderError, run_job
 from derender_core.batch import Job, RecordProcessor
 from derender_core.compare import DEFAULT_NORMALIZATION, Observed, compare
 from derender_core.parity import Parity, requests_of
-from derender_core.prompts import PROMPT_MISSING
+from derender_core.prompts import PROMPT_MISSING, rendered_token_ids
 from derender_core.records import Record, iter_records
 from tests.conftest import ServeStack, Stack, sample_config
-from tests.helpers import SAMPLE, invoke, jsonl_answers, normalize, read_jsonl, run_cli
+from tests.helpers import SAMPLE, RenderServer, invoke, jsonl_answers, normalize, read_jsonl, run_cli
 from tests.render_corpus import (
     drawn_ids_blanked,
     mismatches,
@@ -39,6 +40,7 @@ from tests.render_corpus import (
     render_chat_bodies,
     render_completion_bodies,
 )
+from tests.sample_inputs import Family, SampleBuilder
 
 SAMPLE_FLAGS = ["--config", "sample_data/qwen3.yaml"]
 
@@ -359,3 +361,69 @@ def test_the_whole_loop_offline(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp
                         request_id=body["generate_response"]["request_id"], ignore=(), normalization=DEFAULT_NORMALIZATION)  # fmt: skip
         differing |= {d.field for d in found}
     assert differing <= {"system_fingerprint", "usage"}, differing
+
+
+# --- a Metaspace tokenizer: where the prompt changes the answer ---------------
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Mistral 7B v0.1's SentencePiece tokenizer (Metaspace, its decoder
+    strips a leading space), with its engine and a real render server."""
+    from tests.model_factory import build_mistral_v1_sentencepiece
+
+    model_dir = build_mistral_v1_sentencepiece(tmp_path_factory.mktemp("models") / "mistral_v1")
+    config = RenderConfig(model=str(model_dir), served_model_name=("mistral-v1-test",))
+    server = RenderServer(config, tmp_path_factory.mktemp("logs") / "mistral-v1-server.log", wait=False)
+    try:
+        engine = DerenderEngine.build(config)
+        server.wait_until_ready()
+    except BaseException:
+        server.stop()
+        raise
+    family = Family(model_dir, "mistral-v1-test", eos_id=2, reasoning=None, tool_call="", thinking_off={})
+    try:
+        yield Stack("mistral_v1", config, SampleBuilder(family), engine, server)
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_metaspace_render_matches_server(metaspace: Stack) -> None:
+    bodies = render_bodies(metaspace.builder)
+    ours = [(f"{endpoint.value} {name}", metaspace.engine.post(endpoint, body)) for endpoint, name, body in bodies]
+    theirs = [(f"{endpoint.value} {name}", *posted(metaspace.server, endpoint, body)) for endpoint, name, body in bodies]
+    assert mismatches(ours, theirs) == []
+    assert metaspace.engine.prompt_matters(Endpoint.COMPLETION) and metaspace.engine.prompt_matters(Endpoint.CHAT)
+
+
+def test_metaspace_answers_lose_their_first_space_without_the_prompt(metaspace: Stack) -> None:
+    """The family where leaving ``--render-prompts`` off changes the answer:
+    with the prompt's ids the first output token is decoded after the
+    prompt's tail and keeps its leading space, as `vllm serve` sends it;
+    without them it is decoded alone and the decoder strips it. The server
+    answers both bodies the same way derender does; the flag gives the
+    first answer for the second body."""
+    b, name = metaspace.builder, "mistral-v1-test"
+    output = b.encode("sunny today.") + [2]
+    completion_request = {"model": name, "prompt": "The weather in Paris is"}
+    chat_request = {"model": name, "messages": [{"role": "user", "content": "How is the weather in Paris?"}]}
+    cases = [
+        (Endpoint.COMPLETION, "completion_request", completion_request, lambda a: a["choices"][0]["text"]),
+        (Endpoint.CHAT, "chat_request", chat_request, lambda a: a["choices"][0]["message"]["content"]),
+    ]
+    for endpoint, key, request, text in cases:
+        [prompt] = rendered_token_ids(metaspace.engine.post(endpoint.render, request))
+        response = {"request_id": "sunny", "choices": [{"index": 0, "token_ids": output, "finish_reason": "stop"}]}
+        if endpoint is Endpoint.CHAT:
+            real = {"generate_response": response, "prompt_token_ids": prompt, "prompt_tokens": len(prompt), key: request}
+        else:
+            real = {"generate_responses": [response], "prompt_token_ids": [prompt], "prompt_tokens": [len(prompt)], key: request}
+        bare = _without_prompts(real)
+        with_ids, without_ids = (metaspace.server.post(endpoint, body).json() for body in (real, bare))
+        assert (text(with_ids), text(without_ids)) == (" sunny today.", "sunny today.")
+        answers, outcomes = _run(metaspace, Job(endpoint), [real, bare])
+        assert normalize(answers) == normalize([with_ids, without_ids])
+        assert [PROMPT_MISSING in outcome.logs for outcome in outcomes] == [False, True]
+        rendered, _ = _run(metaspace, Job(endpoint, render_prompts=True), [bare])
+        assert normalize(rendered) == normalize([with_ids])
