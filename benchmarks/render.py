@@ -29,21 +29,17 @@ import argparse
 import asyncio
 import io
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import REPO, sample_engine
+from _common import REPO, http_seconds, sample_engine
 
 from derender_core import Endpoint
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
 from derender_core.workers import WorkerPool
 from derender_core.writers import JsonlWriter
-from tests.conftest import sample_config
-from tests.helpers import RenderServer
 
 JOB = Job(Endpoint.RENDER_CHAT)
 
@@ -91,20 +87,6 @@ def floor_seconds(engine: Any, lines: list[bytes]) -> float:
         loop.close()
 
 
-def http_seconds(lines: list[bytes]) -> float:
-    with tempfile.TemporaryDirectory() as logs:
-        server = RenderServer(sample_config(), Path(logs) / "server.log")
-        try:
-            for line in lines[:50]:
-                server.post_raw(Endpoint.RENDER_CHAT, line)
-            started = time.perf_counter()
-            for line in lines:
-                assert server.post_raw(Endpoint.RENDER_CHAT, line).status_code == 200
-            return time.perf_counter() - started
-        finally:
-            server.stop()
-
-
 def measure(records: int = 2000, http_records: int = 1000) -> dict[str, Any]:
     """Records a second for each way of rendering `records` requests (HTTP
     over the first `http_records`), with the prompt tokens rendered and the
@@ -123,7 +105,7 @@ def measure(records: int = 2000, http_records: int = 1000) -> dict[str, Any]:
         two, _ = pipeline_seconds(engine, lines, pool)
     engine.close()
     http_lines = lines[:http_records]
-    http = http_seconds(http_lines) if http_lines else float("nan")
+    http = http_seconds(Endpoint.RENDER_CHAT, http_lines) if http_lines else float("nan")
     return {
         "records": len(lines),
         "prompt_tokens": tokens,

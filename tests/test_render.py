@@ -362,6 +362,15 @@ def test_the_whole_loop_offline(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp
         differing |= {d.field for d in found}
     assert differing <= {"system_fingerprint", "usage"}, differing
 
+    # --flavor serve with --render-prompts: serve renders prompts itself;
+    # the ids rendered first are the ones it renders.
+    real = {**serve_bodies[0], "generate_response": {**serve_bodies[0]["generate_response"], "request_id": "real"}}
+    bare = {**_without_prompts(real), "generate_response": {**real["generate_response"], "request_id": "bare"}}
+    outcome = RecordProcessor(qwen3_serve.engine, Job(Endpoint.CHAT, render_prompts=True)).process(Record(1, 1, bare))
+    served = qwen3_serve.engine.post(Endpoint.CHAT, real)
+    assert outcome.answer.ok, outcome.answer.raw
+    assert normalize({**outcome.answer.body, "id": ""}) == normalize({**served.body, "id": ""})
+
 
 # --- a Metaspace tokenizer: where the prompt changes the answer ---------------
 
