@@ -773,7 +773,7 @@ server_app = typer.Typer(
     name="server",
     help=(
         "A per-user warm server for shell pipelines: it keeps vLLM imported and built "
-        "engines in memory, and answers every chat, completion, stream, parity and diff "
+        "engines in memory, and answers every chat, completion, stream, render, parity and diff "
         "call while it runs (pass --no-server, or set DERENDER_NO_SERVER=1, to run one "
         "fresh). Output and exit statuses are a fresh process's."
     ),
