@@ -7,6 +7,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -27,6 +28,27 @@ def sample_engine() -> tuple[DerenderEngine, float]:
     started = time.perf_counter()
     engine = DerenderEngine.build(config)
     return engine, time.perf_counter() - started
+
+
+def http_seconds(endpoint: Any, lines: list[bytes]) -> float:
+    """Seconds a real `vllm launch render` for the sample takes to answer
+    `lines` on `endpoint`, posted one after another by one keep-alive
+    client, after 50 of them as a warm-up."""
+    import tempfile
+
+    from tests.helpers import RenderServer
+
+    with tempfile.TemporaryDirectory() as logs:
+        server = RenderServer(sample_config(), Path(logs) / "server.log")
+        try:
+            for line in lines[:50]:
+                server.post_raw(endpoint, line)
+            started = time.perf_counter()
+            for line in lines:
+                assert server.post_raw(endpoint, line).status_code == 200
+            return time.perf_counter() - started
+        finally:
+            server.stop()
 
 
 def peak_rss_mib() -> float:

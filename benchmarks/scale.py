@@ -31,20 +31,16 @@ import cProfile
 import io
 import os
 import pstats
-import tempfile
 import time
-from pathlib import Path
 
 import orjson
-from _common import REPO, sample_engine
+from _common import REPO, http_seconds, sample_engine
 
 from derender_core import Endpoint
 from derender_core.batch import Job, generated_tokens, run
 from derender_core.records import iter_records
 from derender_core.workers import WorkerPool
 from derender_core.writers import JsonlWriter
-from tests.conftest import sample_config
-from tests.helpers import RenderServer
 
 
 def corpus(records: int) -> list[bytes]:
@@ -92,20 +88,6 @@ def floor_seconds(engine, lines: list[bytes]) -> tuple[float, float]:  # type: i
     return floor, served
 
 
-def http_seconds(lines: list[bytes]) -> float:
-    with tempfile.TemporaryDirectory() as logs:
-        server = RenderServer(sample_config(), Path(logs) / "server.log")
-        try:
-            for line in lines[:50]:
-                server.post_raw(Endpoint.CHAT, line)
-            started = time.perf_counter()
-            for line in lines:
-                assert server.post_raw(Endpoint.CHAT, line).status_code == 200
-            return time.perf_counter() - started
-        finally:
-            server.stop()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=3000)
@@ -129,7 +111,7 @@ def main() -> None:
         pipeline_seconds(engine, lines[:300], pool)  # warm-up
         two = pipeline_seconds(engine, lines, pool)
     http = (
-        http_seconds(lines[: args.http_records]) * len(lines) / min(len(lines), args.http_records)
+        http_seconds(Endpoint.CHAT, lines[: args.http_records]) * len(lines) / min(len(lines), args.http_records)
         if args.http_records
         else float("nan")
     )

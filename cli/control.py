@@ -20,7 +20,15 @@ from typing import Annotated
 
 import typer
 
-from .wire import LOG_NAME, NO_SERVER_VARIABLE, SOCKET_NAME, check_directory, request, say, server_directory
+from .wire import (
+    LOG_NAME,
+    NO_SERVER_VARIABLE,
+    SOCKET_NAME,
+    check_directory,
+    request,
+    say,
+    server_directory,
+)
 
 DEFAULT_IDLE_TIMEOUT = "30m"
 DEFAULT_ENGINES = 2
@@ -156,7 +164,7 @@ server_app = typer.Typer(
     name="server",
     help=(
         "A per-user warm server for shell pipelines: it keeps vLLM imported and built "
-        "engines in memory, and answers every chat, completion, stream, parity and diff "
+        "engines in memory, and answers every chat, completion, stream, render, parity and diff "
         "call while it runs (pass --no-server, or set DERENDER_NO_SERVER=1, to run one "
         "fresh). Output and exit statuses are a fresh process's."
     ),

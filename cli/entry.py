@@ -1,7 +1,7 @@
 """The `derender` console entry point, and the warm server's client.
 
 Standard library only, and it decides before anything heavy is imported:
-a `chat`, `completion`, `stream`, `parity` or `diff` call goes to a running
+a `chat`, `completion`, `stream`, `render`, `parity` or `diff` call goes to a running
 `derender server` (``cli/server.py``) when there is one; everything else,
 and every call the server cannot take, runs fresh in this process
 (`run_fresh`), exactly as before.
@@ -41,7 +41,7 @@ from .wire import (
     server_directory,
 )
 
-WARM_COMMANDS = frozenset({"chat", "completion", "stream", "parity", "diff"})
+WARM_COMMANDS = frozenset({"chat", "completion", "stream", "render", "parity", "diff"})
 NO_SERVER_FLAG = "--no-server"
 ACCEPT_TIMEOUT = 30.0
 """Seconds to wait for a busy server (building another call's engine) to

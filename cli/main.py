@@ -40,10 +40,17 @@ from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_pa
 from derender_core.parity import PATHS, Chunking
 
 from . import options as opt
-from .options import COMPARE_OPTIONS, JOB_OPTIONS, RENDER_OPTIONS, job_fields, render_config
+from .control import server_app
+from .options import (
+    COMPARE_OPTIONS,
+    JOB_OPTIONS,
+    RENDER_JOB_OPTIONS,
+    RENDER_OPTIONS,
+    job_fields,
+    render_config,
+)
 from .progress import ProgressDisplay, print_outcome
 from .report import print_table, write_report
-from .control import server_app
 
 app = typer.Typer(
     name="derender",
@@ -162,8 +169,11 @@ def _derender(config: RenderConfig, console: Console, job: dict[str, Any], **fie
     return summary.return_code
 
 
-def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
-    """`chat` and `completion` differ only in their endpoint."""
+def _one_shot_command(
+    endpoint: Endpoint, doc: str, options: dict[str, tuple[Any, Any]] = JOB_OPTIONS
+) -> Callable[..., None]:
+    """`chat`, `completion` and `render chat|completion` differ only in
+    their endpoint (and the job flags a render takes)."""
 
     def command(
         input_path: opt.InputArg, output: opt.OutputOpt = "-", *, config: RenderConfig, console: Console, job: dict[str, Any]
@@ -171,7 +181,7 @@ def _one_shot_command(endpoint: Endpoint, doc: str) -> Callable[..., None]:
         return _derender(config, console, job, inputs=input_path, output=output, endpoint=endpoint)
 
     command.__doc__ = doc
-    return with_render_options(with_shared_options(JOB_OPTIONS, "job")(command))
+    return with_render_options(with_shared_options(options, "job")(command))
 
 
 app.command("chat")(
@@ -206,7 +216,7 @@ def stream(
     output: opt.StreamOutputOpt = "-",
     output_format: opt.FormatOpt = opt.OutputFormat.jsonl,
     mode: opt.ModeOpt = opt.StreamMode.live,
-    endpoint: opt.EndpointOpt = Endpoint.CHAT,
+    endpoint: opt.EndpointOpt = opt.DerenderEndpoint.chat,
     *,
     config: RenderConfig,
     console: Console,
@@ -221,9 +231,47 @@ def stream(
     carries its own.
     """
     return _derender(
-        config, console, job, inputs=input_path, output=output, endpoint=endpoint,
+        config, console, job, inputs=input_path, output=output, endpoint=Endpoint(endpoint.value),
         stream_format=output_format.value, live=mode is opt.StreamMode.live,
     )  # fmt: skip
+
+
+render_app = typer.Typer(
+    name="render",
+    help="Render OpenAI requests into the prompt token ids a token-in engine takes, "
+    "as the render server's /v1/chat/completions/render and /v1/completions/render do.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+render_app.command("chat")(
+    _one_shot_command(
+        Endpoint.RENDER_CHAT,
+        """Render chat completion requests.
+
+        Each input line is the JSON body of POST /v1/chat/completions/render (an
+        OpenAI chat completion request). Output line i is the GenerateRequest
+        (prompt token_ids, sampling_params, ...), or the server's error, for
+        input record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
+render_app.command("completion")(
+    _one_shot_command(
+        Endpoint.RENDER_COMPLETION,
+        """Render completion requests.
+
+        Each input line is the JSON body of POST /v1/completions/render (an
+        OpenAI completion request). Output line i is the list of
+        GenerateRequests (one per prompt), or the server's error, for input
+        record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
+app.add_typer(render_app)
 
 
 @app.command()
@@ -295,7 +343,9 @@ class Comparison:
 @with_shared_options(COMPARE_OPTIONS, "compare")
 def parity(
     input_path: opt.OneInputArg,
-    endpoint: Annotated[Endpoint, typer.Option("--endpoint", help="Chat or completion requests.")] = Endpoint.CHAT,
+    endpoint: Annotated[
+        opt.DerenderEndpoint, typer.Option("--endpoint", help="Chat or completion requests.")
+    ] = opt.DerenderEndpoint.chat,
     paths: opt.PathsOpt = None,
     chunking: opt.ChunkingOpt = "1",
     requests: opt.RequestsOpt = None,
@@ -316,7 +366,7 @@ def parity(
     """
     comparison = Comparison.of(compare)
     spec = ParitySpec(
-        input_path, endpoint, paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
+        input_path, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
     )  # fmt: skip

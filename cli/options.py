@@ -8,9 +8,10 @@ from typing import Annotated, Any
 
 import typer
 
-from derender_core import Endpoint, RenderConfig
+from derender_core import RenderConfig
 from derender_core.jobs import FLAVORS, STREAM_FORMATS
 from derender_core.parity import PATHS
+from derender_core.protocol import DERENDER_ENDPOINTS
 from derender_core.vllm_seam.render import DECODE_MODES
 
 RENDER_PANEL = "Render server flags (as `vllm launch render`)"
@@ -75,6 +76,14 @@ RENDER_OPTIONS: dict[str, Any] = {
             ("chat_template", str, "TEMPLATE", "Chat template file or inline template."),
             ("chat_template_content_format", str, "FORMAT", "auto, string or openai."),
             ("default_chat_template_kwargs", str, "JSON", 'JSON object, e.g. \'{"enable_thinking": false}\'.'),
+            ("trust_request_chat_template", bool, "", "Accept a chat template sent in a request (chat_template, "
+             "chat_template_kwargs.chat_template); refused otherwise."),
+            ("reasoning_effort_map", str, "JSON", 'JSON object rewriting a request\'s reasoning_effort for the '
+             'chat template, e.g. \'{"medium": "low"}\'.'),
+            ("generation_config", str, "auto|vllm|DIR", "Where default sampling parameters come from: the "
+             "model's generation_config.json (auto), vLLM's defaults (vllm), or a directory."),
+            ("override_generation_config", str, "JSON", "JSON object overriding generation config values, "
+             'e.g. \'{"temperature": 0.5}\'.'),
         )
     },
 }
@@ -219,6 +228,18 @@ RayActorsOpt = Annotated[
 ]
 
 
+RenderPromptsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--render-prompts",
+        help="A record with a request and no prompt_token_ids gets them from vLLM's renderer "
+        "first, as the render server's /v1/chat/completions/render (/v1/completions/render) gives "
+        "them for its request, so the decode is seeded and the parsers see the prompt. Without "
+        "it such records are derendered as the server derenders them, and the summary counts "
+        "those whose answer the prompt could change.",
+    ),
+]
+
 JOB_OPTIONS: dict[str, tuple[Any, Any]] = {
     "requests": (RequestsOpt, None),
     "flavor": (FlavorOpt, Flavor.derender),
@@ -233,10 +254,19 @@ JOB_OPTIONS: dict[str, tuple[Any, Any]] = {
     "ray_address": (RayAddressOpt, None),
     "ray_actors": (RayActorsOpt, None),
     "decode": (DecodeOpt, DecodeMode.fast),
+    "render_prompts": (RenderPromptsOpt, False),
 }
 """The flags every derender job takes (`chat`, `completion`, `stream`), with
 their defaults: each becomes the `JobSpec` field of its name (``quiet``
 aside, which is the display's)."""
+
+RENDER_JOB_OPTIONS: dict[str, tuple[Any, Any]] = {
+    name: JOB_OPTIONS[name]
+    for name in ("fail_fast", "errors", "verbose", "quiet", "workers", "resume", "ray", "ray_address", "ray_actors")
+}
+"""The job flags `derender render` takes: it reads requests, so there is
+nothing to join (--requests), decode (--decode), check (--lenient) or
+answer as serve (--flavor)."""
 
 
 def job_fields(flags: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +290,7 @@ IgnoreOpt = Annotated[
         metavar="FIELD",
         help="A field not to compare (content, reasoning, tool_calls, finish_reason, "
         "stop_reason, usage, logprobs, system_fingerprint, role_frame, empty_frames, "
-        "finish_frame, null_fields, stop_logic, ...); repeat for several.",
+        "finish_frame, null_fields, stop_logic, prompt_token_ids, ...); repeat for several.",
     ),
 ]
 ReportOpt = Annotated[
@@ -333,7 +363,9 @@ ModeOpt = Annotated[
         "render server. Not used with --flavor serve.",
     ),
 ]
-EndpointOpt = Annotated[Endpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")]
+DerenderEndpoint = _choices("DerenderEndpoint", tuple(endpoint.value for endpoint in DERENDER_ENDPOINTS))
+"""`Endpoint`'s derender members, for ``--endpoint``."""
+EndpointOpt = Annotated[DerenderEndpoint, typer.Option("--endpoint", help="Which derender endpoint the calls go to.")]
 
 # --- derender parity ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from rich.progress import (
 from derender_core import Report
 from derender_core.datasets import Input
 from derender_core.jobs import Summary
+from derender_core.prompts import PROMPT_MISSING
 
 FAILURES_SHOWN = 5
 _REFRESH_SECONDS = 0.2
@@ -160,6 +161,15 @@ def print_summary(console: Console, summary: Summary, *, verbose: bool = False) 
     if hidden > 0:
         console.print(f"  ... and {hidden} more errors", markup=False)
     _print_logs(console, summary, verbose)
+    if summary.prompts_missing:
+        records = "record was" if summary.prompts_missing == 1 else "records were"
+        console.print(
+            f"derender: {summary.prompts_missing:,} {records} derendered without prompt_token_ids, "
+            "which can change the answer here (the parsers read the prompt; a Metaspace tokenizer's "
+            "first token is seeded from it); --render-prompts renders them from each record's "
+            "request, as the render server's /render endpoints do",
+            markup=False,
+        )
     for path, report in summary.reports:
         if report.stopped_at_failure and report.failures:
             first = report.failures[0]
@@ -173,7 +183,7 @@ def print_summary(console: Console, summary: Summary, *, verbose: bool = False) 
 
 def _print_logs(console: Console, summary: Summary, verbose: bool) -> None:
     """vLLM's log messages, counted per kind over all inputs."""
-    kinds = [kind for _, report in summary.reports for kind in report.logs]
+    kinds = [kind for _, report in summary.reports for kind in report.logs if kind.key != PROMPT_MISSING.key]
     if not kinds:
         return
     count = sum(kind.count for kind in kinds)
@@ -185,7 +195,7 @@ def _print_logs(console: Console, summary: Summary, verbose: bool) -> None:
     )
     where = len(summary.reports) > 1
     for (path, _report), kind in sorted(
-        ((entry, kind) for entry in summary.reports for kind in entry[1].logs),
+        ((entry, kind) for entry in summary.reports for kind in entry[1].logs if kind.key != PROMPT_MISSING.key),
         key=lambda item: -item[1].count,
     ):
         console.print(

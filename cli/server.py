@@ -133,6 +133,9 @@ class Plan:
     """The settings of the engine the call builds, when it builds one."""
     fresh: str | None = None
     """Why the call must run fresh instead."""
+    renders: bool = False
+    """The call renders requests (`derender render`, ``--render-prompts``):
+    the engine's render half is built here, once, for every child."""
 
 
 def plan_call(argv: list[str]) -> Plan:
@@ -153,6 +156,14 @@ def plan_call(argv: list[str]) -> Plan:
     try:
         context = group.make_context("derender", list(argv), resilient_parsing=True)
         command = group.get_command(context, name)  # type: ignore[attr-defined]
+        if hasattr(command, "get_command") and rest:
+            # `render chat ...`: the command is one level down.
+            context = command.make_context(name, list(rest), parent=context, resilient_parsing=True)
+            name, rest = rest[0], rest[1:]
+            command = command.get_command(context, name)
+            renders = True
+        else:
+            renders = False
         if command is None:
             return Plan()
         params = command.make_context(name, rest, parent=context, resilient_parsing=True).params
@@ -172,7 +183,7 @@ def plan_call(argv: list[str]) -> Plan:
     # click gives a repeatable option as a tuple, () when not given.
     flags = {key: (list(value) or None) if isinstance(value, tuple) else value for key, value in flags.items()}
     try:
-        return Plan(config=render_config(params.get("config"), flags))
+        return Plan(config=render_config(params.get("config"), flags), renders=renders or bool(params.get("render_prompts")))
     except Exception:
         return Plan()
 
@@ -369,7 +380,7 @@ class WarmServer:
             conn.close()
             return
         if plan.config is not None:
-            self._engine_for(plan.config, message["cwd"])
+            self._engine_for(plan.config, message["cwd"], renders=plan.renders)
         conn.settimeout(None)
         pid = os.fork()
         if pid == 0:
@@ -397,7 +408,7 @@ class WarmServer:
         with _working_directory(message["cwd"]):
             return plan_call(message["argv"])
 
-    def _engine_for(self, config: Any, cwd: str) -> None:
+    def _engine_for(self, config: Any, cwd: str, *, renders: bool = False) -> None:
         """Build the engine for `config` unless one is held; a failed build
         is left to the child, which reports it as a fresh process would."""
         from derender_core import DerenderEngine, DerenderError
@@ -424,6 +435,11 @@ class WarmServer:
             held = Held(engine, config, model_path, time.perf_counter() - started, time.monotonic())
             self.engines[key] = held
             self._evict()
+        if renders:
+            try:
+                held.engine.prepare_render()
+            except Exception:
+                traceback.print_exc()  # the child builds it, and reports what fails
         self.engines.move_to_end(key)
         held.last_used = time.monotonic()
         held.calls += 1

@@ -6,7 +6,9 @@ response), the OpenAI request they answer, the prompt ids. `CodeAPI` gives
 engines ``chat`` and ``completion`` for that, and batch forms, over the very
 same ``post`` (so every answer is the render server's, byte for byte), with
 derender's record checks unless ``lenient``; a refused call raises
-`RenderError` with the server's status and message.
+`RenderError` with the server's status and message. ``render_chat`` and
+``render_completion`` go the other way, as the render endpoints do: a
+request in, the ``GenerateRequest`` with its prompt ids out.
 
 `jobs.engine_for` keeps one engine per process and settings, for
 ``Dataset.map`` with ``num_proc`` and other process pools.
@@ -117,6 +119,34 @@ class CodeAPI:
                 refused = self.bad_request(problem)
                 raise RenderError(refused.status, refused.error_message, refused.body)
         answer = self.post(endpoint, body)
+        if not answer.ok:
+            raise RenderError(answer.status, answer.error_message, answer.body)
+        return answer.body
+
+    def render_chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``GenerateRequest`` the render server's
+        ``/v1/chat/completions/render`` gives for a chat completion request:
+        the prompt's ``token_ids``, the ``sampling_params``, the
+        ``parse_context``, ...
+
+        Raises:
+            RenderError: the server refused the request (400, 404, 422, 500).
+
+        """
+        return self._rendered(Endpoint.RENDER_CHAT, request)  # type: ignore[no-any-return]
+
+    def render_completion(self, request: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The ``GenerateRequest`` per prompt that the render server's
+        ``/v1/completions/render`` gives for a completion request.
+
+        Raises:
+            RenderError: the server refused the request.
+
+        """
+        return self._rendered(Endpoint.RENDER_COMPLETION, request)  # type: ignore[no-any-return]
+
+    def _rendered(self, endpoint: Endpoint, request: Mapping[str, Any]) -> Any:
+        answer = self.post(endpoint, dict(request))
         if not answer.ok:
             raise RenderError(answer.status, answer.error_message, answer.body)
         return answer.body

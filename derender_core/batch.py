@@ -22,6 +22,7 @@ from typing import Any
 from .checks import check_body
 from .errors import ExitStatus, RecordError, StreamFailure
 from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
+from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
 from .protocol import Answer, Derenderer, Endpoint
 from .records import Record, RequestIndex, derender_body
 from .streams import ChunkFacts, StreamLedger
@@ -86,6 +87,12 @@ class Report:
         return ExitStatus.RECORDS_FAILED if self.errors else ExitStatus.OK
 
     @property
+    def prompts_missing(self) -> int:
+        """Records derendered without the prompt ids that could change their
+        answers (`prompts.PROMPT_MISSING`): ``--render-prompts`` renders them."""
+        return sum(kind.count for kind in self.logs if kind.key == PROMPT_MISSING.key)
+
+    @property
     def records_per_second(self) -> float:
         return self.records / self.elapsed if self.elapsed > 0 else 0.0
 
@@ -138,6 +145,9 @@ class Job:
     answers it, out-of-vocabulary ids and all."""
     verbose: bool = False
     """vLLM's log messages also go, in full, to its own handlers."""
+    render_prompts: bool = False
+    """A derender record with a request and no prompt ids gets them from the
+    engine's render endpoint first (`prompts`)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,7 @@ class RecordProcessor:
         self.engine = engine
         self.job = job
         self.ledger = StreamLedger()
+        self.prompts = PromptRenderer(engine)
 
     def process(self, record: Record) -> Outcome:
         """The outcome of one record; never raises for a record, whatever
@@ -202,17 +213,33 @@ class RecordProcessor:
                 outcome = self._process(record)
             except Exception as exc:
                 outcome = Outcome(self.engine.internal_error(exc), traceback=traceback.format_exc())
-        return dataclasses.replace(outcome, logs=tuple(logged)) if logged else outcome
+        return dataclasses.replace(outcome, logs=(*outcome.logs, *logged)) if logged else outcome
 
     def _process(self, record: Record) -> Outcome:
         engine, job = self.engine, self.job
         if record.problem is not None:
             problem = record.problem
             return Outcome(engine.invalid_json(problem.message, problem.position), detail=failure_detail(record))
+        if job.endpoint.renders:
+            # A request in, its GenerateRequest out: nothing to join or check.
+            answer = engine.post(job.endpoint, record.payload)
+            return Outcome(answer, tokens=sum(map(len, rendered_token_ids(answer))) if answer.ok else 0)
         try:
             body = derender_body(record.payload, job.endpoint, stream=job.stream, requests=job.requests)
         except RecordError as exc:
             return Outcome(engine.bad_request(str(exc)))
+        if lacks_prompt(body, job.endpoint):
+            if job.render_prompts:
+                body, refused = self.prompts.filled(job.endpoint, body)
+                if refused is not None:
+                    return dataclasses.replace(self._refused(body, refused), detail="rendering its prompt (--render-prompts)")
+            elif engine.prompt_matters(job.endpoint):
+                return dataclasses.replace(self._derendered(body), logs=(PROMPT_MISSING,))
+        return self._derendered(body)
+
+    def _derendered(self, body: Any) -> Outcome:
+        """The outcome of a derender body: checked, then answered."""
+        engine, job = self.engine, self.job
         if not job.lenient:
             problem_found = check_body(body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size)
             if problem_found is not None:

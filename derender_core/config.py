@@ -26,7 +26,8 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class RenderConfig:
-    """The render server settings that shape a derendered response."""
+    """The render server settings that shape its answers: derendered
+    responses and rendered prompts."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -43,6 +44,10 @@ class RenderConfig:
     chat_template: str | None = None
     chat_template_content_format: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] | None = field(default=None)
+    trust_request_chat_template: bool = False
+    reasoning_effort_map: Mapping[str, str] | None = field(default=None)
+    generation_config: str | None = None
+    override_generation_config: Mapping[str, Any] | None = field(default=None)
 
     @classmethod
     def flag_names(cls) -> list[str]:
@@ -179,7 +184,13 @@ def _checked_settings(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
     return settings
 
 
-_BOOLEAN = {"trust_remote_code", "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none"}
+_BOOLEAN = {
+    "trust_remote_code",
+    "enable_auto_tool_choice",
+    "exclude_tools_when_tool_choice_none",
+    "trust_request_chat_template",
+}
+_JSON_OBJECTS = {"default_chat_template_kwargs", "reasoning_effort_map", "override_generation_config"}
 
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
@@ -193,7 +204,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"{origin}: {flag} must be a name or a list of names")
         return tuple(names)
-    if name == "default_chat_template_kwargs":
+    if name in _JSON_OBJECTS:
         if isinstance(value, str):
             try:
                 value = json.loads(value)

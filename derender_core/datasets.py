@@ -12,7 +12,8 @@ read a row group slice at a time, in one of two forms:
   optional ``prompt_token_ids``, ``prompt_tokens``, ``request_id`` (or
   ``key``), ``finish_reason``, ``stop_reason`` and ``model``. A row is
   joined into a derender body exactly as ``--requests`` joins a bare
-  GenerateResponse.
+  GenerateResponse. For ``derender render``, a ``request`` column alone
+  holds each row's request.
 
 Every row is a record (an empty body gets the server's JSON error), so
 output row *i* answers input row *i*. A body column that is not text
@@ -159,7 +160,9 @@ def records_from_table(
     `trail` (a hashlib object) is updated with each row, for
     `Record.digest`, across the tables of one input."""
     names = set(table.schema.names)
-    body_column = next((name for name in BODY_COLUMNS if name in names), None)
+    # A render input's rows are requests: a ``request`` column is its body.
+    columns = (*BODY_COLUMNS, "request") if job.endpoint.renders else BODY_COLUMNS
+    body_column = next((name for name in columns if name in names), None)
     trail = trail or hashlib.sha256()
     if body_column is not None:
         _check_body_column(table.schema, origin)
@@ -169,6 +172,8 @@ def records_from_table(
             trail.update(len(raw).to_bytes(8, "little") + raw)
             yield _body_record(number, raw, trail.digest())
         return
+    if job.endpoint.renders:
+        raise InputError(f"{origin}: a render input needs a body, text or request column: one request per row")
     if job.stream:
         raise InputError(
             f"{origin}: a stream input needs a body column ({' or '.join(BODY_COLUMNS)}): "

@@ -42,7 +42,14 @@ from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
-from .records import RequestIndex, iter_records, open_input, open_output, refuse_overwriting, standard_stream
+from .records import (
+    RequestIndex,
+    iter_records,
+    open_input,
+    open_output,
+    refuse_overwriting,
+    standard_stream,
+)
 from .responses import read_items
 from .resume import (
     Manifest,
@@ -104,6 +111,9 @@ class JobSpec:
     ray: bool = False
     ray_address: str | None = None
     ray_actors: int | None = None
+    render_prompts: bool = False
+    """Derender records with a request and no prompt ids get them from
+    vLLM's renderer first, as the render endpoint gives them (`prompts`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
@@ -121,6 +131,8 @@ class JobSpec:
             raise ConfigError(f"unknown flavor {self.flavor!r}: {', '.join(FLAVORS)}")
         if self.errors == "-":
             raise InputError("--errors needs a file path: stdout carries the output")
+        if self.endpoint.renders and (self.stream_format is not None or self.requests is not None or self.render_prompts):
+            raise InputError("a render job reads requests, one per record: no stream format, --requests or --render-prompts")
 
     @property
     def stream(self) -> bool:
@@ -134,7 +146,16 @@ class JobSpec:
 
     def job(self, requests: RequestIndex | None = None) -> Job:
         """What each record goes through."""
-        return Job(self.endpoint, stream=self.stream, requests=requests, lenient=self.lenient, verbose=self.verbose)
+        return Job(
+            self.endpoint, stream=self.stream, requests=requests, lenient=self.lenient, verbose=self.verbose,
+            render_prompts=self.render_prompts,
+        )  # fmt: skip
+
+    @property
+    def renders(self) -> bool:
+        """The job's engine answers render calls: it renders requests, or
+        the prompts records lack."""
+        return self.endpoint.renders or self.render_prompts
 
 
 def _checked_endpoint(value: Endpoint | str) -> Endpoint:
@@ -221,6 +242,12 @@ class Summary:
     def return_code(self) -> int:
         """The process exit status (`ExitStatus`) the run comes to."""
         return self.total.return_code
+
+    @property
+    def prompts_missing(self) -> int:
+        """Records derendered without the prompt ids that could change their
+        answers (`Report.prompts_missing`); ``render_prompts`` renders them."""
+        return sum(report.prompts_missing for _, report in self.reports)
 
 
 def run_job(
@@ -311,7 +338,7 @@ def _checked_manifest(config: RenderConfig, spec: JobSpec, target: Target) -> tu
     now = run_manifest(
         config, target.input,
         command="stream" if spec.stream else spec.endpoint.value, endpoint=spec.endpoint.value,
-        flavor=spec.flavor, lenient=spec.lenient, requests=spec.requests,
+        flavor=spec.flavor, lenient=spec.lenient, requests=spec.requests, render_prompts=spec.render_prompts,
     )  # fmt: skip
     earlier = check_resume(target.output, now) if spec.resume else None
     if earlier is not None:
@@ -340,6 +367,11 @@ def _run_here(
             config, flavor=spec.flavor, live=spec.live, decode=spec.decode, warm=warm
         )  # fmt: skip
         resources.callback(engine.close)
+        if spec.renders:
+            # Built once here, before workers fork, rather than in each.
+            started = time.perf_counter()
+            engine.prepare_render()
+            engine.startup_seconds += time.perf_counter() - started
         summary.startup[startup_name] = engine.startup_seconds
         job = spec.job(requests)
         workers = spec.workers or usable_cpus()

@@ -25,7 +25,9 @@ Pairs compared (`pairs`), each when both paths run: ``oneshot`` with
 (`from_serve`), the recording (``recorded``) is compared with every path.
 Where the record and vLLM's stop logic disagree, the serve path's finding
 is reported too, as field ``stop_logic`` between ``record`` and the serve
-path that found it.
+path that found it; where the record's prompt ids are not its request's
+rendering, field ``prompt_token_ids`` between ``record`` and ``render``
+(`prompts.prompt_divergences`).
 
 Everything here is pure orchestration over `Derenderer` objects: no vLLM.
 """
@@ -40,6 +42,7 @@ import orjson
 
 from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed, compare
 from .errors import ConfigError, RecordError
+from .prompts import PromptRenderer, prompt_divergences
 from .protocol import Derenderer, Endpoint, FramesAnswer
 from .records import Record, RequestIndex, call_body, derender_body
 from .responses import Item, error_text
@@ -411,6 +414,10 @@ class Parity:
         self.endpoint = endpoint
         self.ignore = frozenset(ignore)
         self.normalization = normalization
+        # The record's prompt ids are checked against the render endpoint
+        # of a derender path's engine (the serve path's renders the same).
+        renderer = next((engines[p] for p in DERENDER_MODES if p in engines), next(iter(engines.values()), None))
+        self.prompts = None if renderer is None else PromptRenderer(renderer)
 
     def run(self, request: Request) -> list[Divergence]:
         """Every divergence between the paths for one request (one that
@@ -435,6 +442,8 @@ class Parity:
                     findings.append(
                         Divergence(request.request_id, finding.index, RECORD, path, "stop_logic", finding.recorded, finding.vllm)
                     )
+        if self.prompts is not None and "prompt_token_ids" not in self.ignore:
+            findings += prompt_divergences(self.prompts, self.endpoint, request.request_id, request.one_shot)
         divergences: list[Divergence] = []
         if request.recorded is not None:
             observed[(RECORDED, None)] = request.recorded

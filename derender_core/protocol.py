@@ -1,7 +1,8 @@
 """The contract every path answers to: which endpoint, and what it answered.
 
 Every path that derenders (replay and live on the render endpoints, the serve
-path) behaves like an HTTP endpoint: a JSON body goes in, a status and the
+path), and the render endpoints that turn requests into prompts, behave like
+an HTTP endpoint: a JSON body goes in, a status and the
 exact bytes of a JSON body come out. Batch execution, workers and the CLI
 only ever see `Derenderer` and `Answer`, so they never branch on the path.
 """
@@ -18,10 +19,13 @@ import orjson
 
 
 class Endpoint(str, Enum):
-    """The two derender endpoints of `vllm launch render`."""
+    """The endpoints of `vllm launch render`: its two derender endpoints,
+    and the two render endpoints that turn a request into its prompt."""
 
     CHAT = "chat"
     COMPLETION = "completion"
+    RENDER_CHAT = "render-chat"
+    RENDER_COMPLETION = "render-completion"
 
     @classmethod
     def of(cls, value: Endpoint | str) -> Endpoint:
@@ -42,14 +46,33 @@ class Endpoint(str, Enum):
     @property
     def path(self) -> str:
         """The HTTP path of the endpoint on the render server."""
-        if self is Endpoint.CHAT:
-            return "/v1/chat/completions/derender"
-        return "/v1/completions/derender"
+        return _PATHS[self]
+
+    @property
+    def renders(self) -> bool:
+        """A render endpoint: the body is an OpenAI request, the answer its
+        ``GenerateRequest`` (a list of them for completions)."""
+        return self in (Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION)
 
     @property
     def request_key(self) -> str:
         """The body field that carries the original OpenAI request."""
-        return "chat_request" if self is Endpoint.CHAT else "completion_request"
+        return "chat_request" if self in (Endpoint.CHAT, Endpoint.RENDER_CHAT) else "completion_request"
+
+    @property
+    def render(self) -> Endpoint:
+        """The render endpoint for this endpoint's kind of request."""
+        return Endpoint.RENDER_CHAT if self.request_key == "chat_request" else Endpoint.RENDER_COMPLETION
+
+
+_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions/derender",
+    Endpoint.COMPLETION: "/v1/completions/derender",
+    Endpoint.RENDER_CHAT: "/v1/chat/completions/render",
+    Endpoint.RENDER_COMPLETION: "/v1/completions/render",
+}
+DERENDER_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETION)
+"""The endpoints that derender token ids (`derender chat`, `completion`, `stream`)."""
 
 
 class Answer:
@@ -256,6 +279,13 @@ class Derenderer(Protocol):
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""
+
+    def prompt_matters(self, endpoint: Endpoint) -> bool:
+        """Whether a record's ``prompt_token_ids`` can change this path's
+        answers on `endpoint`: derender says so when a record has none."""
+
+    def prepare_render(self) -> None:
+        """Build what the render endpoints need now, before workers fork."""
 
     def invalid_json(self, message: str, position: int | None) -> Answer:
         """The answer to a body that is not JSON."""

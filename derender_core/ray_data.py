@@ -181,13 +181,14 @@ class Derender:
         model: ModelBundle | None = None,
         whole_stream_answers: bool = True,
         lenient: bool = False,
+        render_prompts: bool = False,
     ) -> None:
         from .vllm_seam.render import DerenderEngine
 
         if model is not None:
             config = model.unpacked(config)
         self.engine = DerenderEngine.build(config, live=live, decode=decode)
-        self.job = Job(Endpoint(endpoint), stream=stream, lenient=lenient)
+        self.job = Job(Endpoint(endpoint), stream=stream, lenient=lenient, render_prompts=render_prompts)
         self.whole_stream_answers = whole_stream_answers
         self._processor = RecordProcessor(self.engine, self.job)
 
@@ -379,6 +380,7 @@ def run_on_ray(
         constructor = {
             "config": config, "endpoint": job.endpoint, "stream": job.stream,
             "live": live, "decode": decode, "model": bundle, "whole_stream_answers": whole, "lenient": job.lenient,
+            "render_prompts": job.render_prompts,
         }  # fmt: skip
         for input_path, open_writer in inputs:
             if input_path == "-":

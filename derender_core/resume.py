@@ -231,6 +231,7 @@ def run_manifest(
     flavor: str,
     lenient: bool,
     requests: str | None,
+    render_prompts: bool = False,
 ) -> Manifest:
     """The manifest a run of these settings over `input_path` writes, before
     it has answered anything."""
@@ -253,6 +254,8 @@ def run_manifest(
         "--flavor": flavor,
         "--lenient": lenient,
         "--requests": None if requests is None else {**_file_facts(requests), "sha256": _file_sha256(requests)},
+        # Set only when given, so outputs of runs that predate the flag resume.
+        **({"--render-prompts": True} if render_prompts else {}),
         **render,
     }
     # Through JSON, so tuples and lists compare as they will when read back.

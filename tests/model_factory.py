@@ -517,3 +517,68 @@ BUILDERS = {"qwen3": build_qwen3, "llama3": build_llama3, "deepseek_v4": build_d
 if __name__ == "__main__":
     family = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
     print(BUILDERS[family](Path(sys.argv[1])))
+
+
+# Mistral 7B v0.1's chat template: [INST] turns, no system role.
+MISTRAL_V1_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def build_mistral_v1_sentencepiece(target: Path) -> Path:
+    """Mistral 7B v0.1: the SentencePiece vocabulary mistral_common ships
+    (``tokenizer.model.v1``) converted by transformers into its fast form, a
+    Metaspace pre-tokenizer whose decoder strips the leading space of what it
+    decodes (as Llama 2's does). <unk>, <s> and </s> are its control tokens."""
+    import importlib.resources
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    spm = importlib.resources.files("mistral_common") / "data" / "tokenizer.model.v1"
+    with tempfile.TemporaryDirectory() as slow:
+        shutil.copyfile(str(spm), Path(slow) / "tokenizer.model")
+        slow_config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True,
+                       "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}  # fmt: skip
+        write_json(Path(slow) / "tokenizer_config.json", slow_config)
+        fast = AutoTokenizer.from_pretrained(slow)
+        with tempfile.TemporaryDirectory() as saved:
+            fast.save_pretrained(saved)
+            tokenizer_json = json.loads((Path(saved) / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer_config = {
+        "tokenizer_class": "LlamaTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 32768,
+        "added_tokens_decoder": added_tokens_decoder(tokenizer_json),
+        "chat_template": MISTRAL_V1_CHAT_TEMPLATE,
+    }
+    config = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    generation_config = {"bos_token_id": 1, "eos_token_id": 2}
+    return write_model_dir(target, tokenizer_json, tokenizer_config, config, generation_config)

@@ -24,8 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from derender_core import Answer, DerenderEngine, ExitStatus, JobSpec, RenderConfig, run_job
-from derender_core import batch
+from derender_core import Answer, DerenderEngine, ExitStatus, JobSpec, RenderConfig, batch, run_job
 from derender_core.writers import JsonlWriter
 from tests.conftest import Stack
 from tests.helpers import SAMPLE, normalized_bytes

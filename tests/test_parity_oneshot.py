@@ -15,6 +15,7 @@ import pytest
 
 from derender_core import Endpoint
 from derender_core.batch import Job
+from derender_core.protocol import DERENDER_ENDPOINTS
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize
 from tests.sample_inputs import (
@@ -156,7 +157,7 @@ def test_completion_sample_matches_server(stack: Stack) -> None:
     assert [a.get("error", {}).get("code") for a in answers[4:8]] == [400, 400, 400, 404]
 
 
-@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("endpoint", list(DERENDER_ENDPOINTS))
 def test_wrong_endpoint_body_matches_server(stack: Stack, endpoint: Endpoint) -> None:
     """A chat body sent to the completion endpoint, and back."""
     b = stack.builder

@@ -136,6 +136,41 @@ def test_map_batches_with_a_shipped_model_answers_as_one_process(
     assert USAGE_POLLER not in {thread.name for thread in threading.enumerate()}
 
 
+def test_map_batches_renders_requests_and_the_prompts_records_lack(cluster: Any, qwen3_stack: Stack) -> None:
+    """Ray Data on the render endpoint (requests in, GenerateRequests out)
+    and with ``render_prompts`` (records without prompt ids): one process's
+    answers, row for row."""
+    from ray.data import ActorPoolStrategy, DataContext
+
+    from derender_core.ray_data import Derender
+
+    stack = qwen3_stack
+    sample = [orjson.loads(line) for line in (REPO / "sample_data" / "chat.jsonl").read_bytes().splitlines()]
+    requests = [orjson.dumps({**b["chat_request"], "request_id": b["generate_response"]["request_id"]}) for b in sample]
+    bare = [orjson.dumps({k: v for k, v in b.items() if k != "prompt_token_ids"}) for b in sample]
+    DataContext.get_current().execution_options.preserve_order = True
+    runs = (
+        ("render-chat", requests, {}, Job(Endpoint.RENDER_CHAT)),
+        ("chat", bare, {"render_prompts": True}, Job(Endpoint.CHAT, render_prompts=True)),
+    )
+    for endpoint, lines, extra, job in runs:
+        rows = [{"key": number, "text": line} for number, line in enumerate(lines, start=1)]
+        answered = (
+            ray.data.from_items(rows, override_num_blocks=2)
+            .map_batches(
+                Derender,
+                fn_constructor_kwargs={"config": stack.config, "endpoint": endpoint, **extra},
+                batch_format="pyarrow",
+                compute=ActorPoolStrategy(size=1),
+                num_cpus=0.5,
+            )
+            .take_all()
+        )
+        got = b"".join(row["response"].encode() + b"\n" for row in answered)
+        assert normalized_bytes(got) == normalized_bytes(local_answers(stack, job, lines)), endpoint
+        assert {row["status"] for row in answered} == {200}
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
         [str(Path(sys.executable).with_name("derender")), *args],

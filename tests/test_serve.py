@@ -32,7 +32,7 @@ import pytest
 
 from derender_core import Endpoint
 from derender_core.batch import Job
-from derender_core.protocol import FramesAnswer
+from derender_core.protocol import DERENDER_ENDPOINTS, FramesAnswer
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
 from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
@@ -112,7 +112,7 @@ def test_serve_seam_names_exist() -> None:
     loop.close()
 
 
-@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("endpoint", list(DERENDER_ENDPOINTS))
 def test_one_shot_equals_vllm_serve(qwen3_serve: ServeStack, endpoint: Endpoint) -> None:
     b = qwen3_serve.builder
     if endpoint is Endpoint.CHAT:
@@ -136,7 +136,7 @@ def test_one_shot_equals_vllm_serve(qwen3_serve: ServeStack, endpoint: Endpoint)
         assert answer["id"] == prefix + response["request_id"]
 
 
-@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("endpoint", list(DERENDER_ENDPOINTS))
 def test_streams_equal_vllm_serve_sse(qwen3_serve: ServeStack, endpoint: Endpoint, tmp_path: Path) -> None:
     b = qwen3_serve.builder
     plans = chat_stream_corpus(b) if endpoint is Endpoint.CHAT else completion_stream_plans(b)

@@ -180,6 +180,24 @@ def test_files_are_written_as_by_a_fresh_process(server: Server, tmp_path: Path)
         assert normalized_bytes((tmp_path / "warm" / name).read_bytes()) == normalized_bytes((tmp_path / "fresh" / name).read_bytes())
 
 
+def test_render_and_render_prompts_run_warm(server: Server) -> None:
+    """`derender render` and ``--render-prompts`` on the warm server, which
+    builds the engine's render half for them: the output, exit status and
+    summary of a fresh process."""
+    sample = [json.loads(line) for line in (REPO / "sample_data" / "chat.jsonl").read_bytes().splitlines()]
+    requests = "".join(json.dumps({**b["chat_request"], "request_id": b["generate_response"]["request_id"]}) + "\n" for b in sample)
+    bare = "".join(json.dumps({k: v for k, v in b.items() if k != "prompt_token_ids"}) + "\n" for b in sample)
+    for args, data in ((["render", "chat", "-", *CONFIG], requests), (["chat", "-", "--render-prompts", *CONFIG], bare)):
+        fresh = server.run(*args, fresh=True, input=data.encode())
+        before = server.served()
+        warm = server.run(*args, input=data.encode())
+        assert server.served() == before + 1, "the call did not run on the server"
+        assert warm.returncode == fresh.returncode == 0, warm.stderr.decode()
+        assert normalized_bytes(warm.stdout) == normalized_bytes(fresh.stdout)
+        assert summary_shape(warm.stderr) == summary_shape(fresh.stderr)
+        assert b"start-up: model (warm)" in warm.stderr
+
+
 def test_stdin_is_the_callers(server: Server) -> None:
     data = (REPO / "sample_data" / "chat.jsonl").read_bytes()
     fresh = server.fresh_results.get("chat") or server.run(*CALLS["chat"], fresh=True)

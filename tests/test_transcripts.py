@@ -19,6 +19,7 @@ import pytest
 
 from derender_core import Endpoint
 from derender_core.batch import Job
+from derender_core.protocol import DERENDER_ENDPOINTS
 from derender_core.writers import AssembledWriter, SseWriter
 from tests.conftest import Stack
 from tests.helpers import SAMPLE, normalize, normalized_bytes, read_jsonl, run_lines
@@ -63,7 +64,7 @@ def one_shot(stack: Stack, endpoint: Endpoint, plan: StreamPlan) -> dict[str, An
     return answer.body
 
 
-@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("endpoint", list(DERENDER_ENDPOINTS))
 def test_assembled_equals_one_shot(stack: Stack, endpoint: Endpoint) -> None:
     plans = stream_plans(stack.builder) if endpoint is Endpoint.CHAT else completion_stream_plans(stack.builder)
     streams = assembled(stack, endpoint, plans)

@@ -29,6 +29,7 @@ from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
+from .renderer import RenderHalf
 from .stack import (
     derender_stack,
     lean_start,
@@ -110,6 +111,8 @@ class DerenderEngine(CodeAPI):
         self._loop = loop or asyncio.new_event_loop()
         # request_id -> (raw request, raw prompt ids, validated request, validated ids)
         self._stream_requests: OrderedDict[str, tuple[Any, Any, Any, Any]] = OrderedDict()
+        self._render_half: RenderHalf | None = None
+        """The render endpoints, given the server flags (`build`)."""
 
     @classmethod
     def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
@@ -137,6 +140,7 @@ class DerenderEngine(CodeAPI):
         if quiet_startup:
             show_warnings_from_now_on()
         engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live, decode=decode)
+        engine._render_half = RenderHalf(args)
         engine._check_tokenizer(config.tokenizer or config.model or "")
         return engine
 
@@ -187,10 +191,13 @@ class DerenderEngine(CodeAPI):
         return derenderer.table.kind or "incremental"
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
-        """Answer one derender call as ``POST endpoint.path`` would.
-        `endpoint` may be given by its value ("chat"); anything else
-        raises ValueError."""
+        """Answer one call as ``POST endpoint.path`` would: a derender
+        call, or a render call (`renderer.RenderHalf`). `endpoint` may be
+        given by its value ("chat"); anything else raises ValueError."""
         endpoint = Endpoint.of(endpoint)
+        if endpoint.renders:
+            with collector_paused():
+                return self._rendering().post(self, self._serving, endpoint, body)
         derenderer = self._serving.online_derenderer
         derenderer.live = self.live
         derenderer.decode_mode = self.decode
@@ -279,6 +286,32 @@ class DerenderEngine(CodeAPI):
         self._stream_requests.move_to_end(request_id)
         if len(self._stream_requests) > REQUESTS_KEPT:
             self._stream_requests.popitem(last=False)
+
+    def _rendering(self) -> RenderHalf:
+        if self._render_half is None:
+            raise ConfigError("this engine was built without the server flags its render endpoints need")
+        return self._render_half
+
+    def prepare_render(self) -> None:
+        """Build the render endpoints now (about a second, once), so that
+        workers forked from this process, or the warm server's children,
+        inherit them instead of building them each."""
+        self._rendering().prepare(self._serving)
+
+    def prompt_matters(self, endpoint: Endpoint) -> bool:
+        """Whether a record's ``prompt_token_ids`` can change its answer
+        here: with a tool or reasoning parser, a chat answer's parse (the
+        parsers read the prompt: a template that opens ``<think>``, a
+        stream's initial state); with a tokenizer whose pre-tokenizer marks
+        a leading space (Metaspace), the first token's text, which vLLM
+        seeds from the prompt's tail."""
+        from vllm.tokenizers.detokenizer_utils import get_leading_space_marker
+
+        if endpoint.renders:
+            return False
+        if endpoint is Endpoint.CHAT and self._serving.online_derenderer.parser is not None:
+            return True
+        return get_leading_space_marker(self.tokenizer) is not None
 
     def invalid_json(self, message: str, position: int | None) -> Answer:
         """The answer to a body that is not JSON, as FastAPI words it; a

@@ -76,6 +76,7 @@ from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, FramesAnswer
 from .render import DerenderEngine, _json_answer
+from .renderer import RenderHalf
 from .stack import prepare_environment, server_args, show_warnings_from_now_on
 
 if TYPE_CHECKING:
@@ -540,11 +541,15 @@ class ServeEngine(DerenderEngine):
         if quiet_startup:
             show_warnings_from_now_on()
         engine = cls(state, core, resources, time.perf_counter() - started, loop)
+        engine._render_half = RenderHalf(args)
         engine._check_tokenizer(config.tokenizer or config.model or "")
         return engine
 
     def in_mode(self, *, live: bool) -> DerenderEngine:
         return self  # the serve path has one mode
+
+    def prompt_matters(self, endpoint: Endpoint) -> bool:
+        return False  # serve renders every request's prompt itself
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         # Every call drives tasks on the stack's loop (the output handler,

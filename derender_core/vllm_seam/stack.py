@@ -71,6 +71,21 @@ def environment_with_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def startup_logs_hidden() -> Iterator[None]:
+    """vLLM's warnings hidden for a block of start-up work done after the
+    engine was built (the render half, say), as `prepare_environment` hides
+    them during the build: unless the user chose a log level."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def show_warnings_from_now_on() -> None:
     """After start-up, per-record warnings (a missing prompt_token_ids, say)
     are worth seeing."""
@@ -197,12 +212,10 @@ def derender_stack(
     """
     from vllm import AsyncEngineArgs, envs
     from vllm.config import VllmConfig
-    from vllm.entrypoints.common.cli_args import resolve_default_chat_template_kwargs
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
     from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
     from vllm.entrypoints.scale_out.derender.serving import ServingDerender
     from vllm.renderers import renderer_from_config
-    from vllm.renderers.chat_utils import load_chat_template
     from vllm.renderers.online_derenderer import OnlineDerenderer
 
     if renderer is None:
@@ -234,25 +247,31 @@ def derender_stack(
         ],
     )
     derenderer = (derenderer_class or OnlineDerenderer)(
-        model_config=model_config,
-        renderer=renderer,
-        request_logger=None,
-        chat_template=load_chat_template(args.chat_template),
-        chat_template_content_format=args.chat_template_content_format,
-        trust_request_chat_template=args.trust_request_chat_template,
-        enable_auto_tools=args.enable_auto_tool_choice,
-        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        tool_parser=args.tool_call_parser,
-        tool_strict_level=args.tool_strict_level,
-        # The server's order: the flag, then the model's own default.
-        reasoning_parser=(
-            args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser
-        ),
-        default_chat_template_kwargs=resolve_default_chat_template_kwargs(args),
-        reasoning_effort_map=args.reasoning_effort_map,
-        log_error_stack=args.log_error_stack,
+        model_config=model_config, renderer=renderer, request_logger=None, **online_settings(args, vllm_config)
     )
     return ServingDerender(registry, derenderer, request_logger=None)
+
+
+def online_settings(args: Namespace, vllm_config: Any) -> dict[str, Any]:
+    """The settings `init_render_app_state` gives both halves of the render
+    server, ``OnlineRenderer`` and ``OnlineDerenderer``, from its flags."""
+    from vllm.entrypoints.common.cli_args import resolve_default_chat_template_kwargs
+    from vllm.renderers.chat_utils import load_chat_template
+
+    return {
+        "chat_template": load_chat_template(args.chat_template),
+        "chat_template_content_format": args.chat_template_content_format,
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "enable_auto_tools": args.enable_auto_tool_choice,
+        "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+        "tool_parser": args.tool_call_parser,
+        "tool_strict_level": args.tool_strict_level,
+        # The server's order: the flag, then the model's own default.
+        "reasoning_parser": args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser,
+        "default_chat_template_kwargs": resolve_default_chat_template_kwargs(args),
+        "reasoning_effort_map": args.reasoning_effort_map,
+        "log_error_stack": args.log_error_stack,
+    }
 
 
 def _no_tokenizer_pool() -> contextlib.AbstractContextManager[None]:
