@@ -476,7 +476,10 @@ def test_a_closed_standard_descriptor_is_closed_in_the_call(
     [
         ('ulimit -n 96; "$DERENDER" chat sample_data/chat.jsonl --config sample_data/qwen3.yaml -j 8', 2,
          b"the open-file limit (ulimit -n) is 96"),
-        ('ulimit -f 1; "$DERENDER" chat sample_data/chat.jsonl --config sample_data/qwen3.yaml -j 1 -o "$OUT/o.jsonl"', 3,
+        # About 128 KB of answers under a 100 KB limit; the manifest (a path-dependent
+        # kilobyte or so, written first) fits, so the answers are what hit it.
+        ('for _ in $(seq 60); do cat sample_data/chat.jsonl; done > "$OUT/../in.jsonl"; ulimit -f 100; '
+         '"$DERENDER" chat "$OUT/../in.jsonl" --config sample_data/qwen3.yaml -j 1 -o "$OUT/o.jsonl"', 3,
          b"File too large"),
     ],
     ids=["open-files", "file-size"],
