@@ -234,6 +234,16 @@ def _first_split(left: list[list[Any]], right: list[list[Any]]) -> int | None:
 
 
 @dataclass
+class _Context:
+    """Where a divergence shows: its chunk's token ids, and per side the
+    text emitted up to there."""
+
+    tokens: str
+    texts: tuple[str, str]
+    label: str
+
+
+@dataclass
 class _Numbered:
     """A divergence with its number on the page (its line in the report)."""
 
@@ -248,7 +258,7 @@ class _Page:
         self.out: list[str] = []
         self.pieces = pieces or {}
         self.frame_ids = 0
-        self.context: dict[int, str] = {}
+        self.context: dict[int, _Context] = {}
         """Per divergence number: its chunk's token ids and the text so far."""
 
     def w(self, *parts: str) -> None:
@@ -260,16 +270,15 @@ class _Page:
 
     # -- a request --
 
-    def request(self, number: int, examination: Examination, numbered: list[_Numbered]) -> None:
+    def request(self, number: int, examination: Examination, numbered: list[_Numbered], *, open_: bool) -> None:
         request_id = "—" if examination.request_id is None else str(examination.request_id)
-        kinds = Counter(n.divergence.kind for n in numbered)
+        pairs = Counter(f"{n.divergence.left} vs {n.divergence.right}" for n in numbered)
         self.w(
-            f'<details class="request" id="r-{number}" data-request="{_esc(request_id)}">',
+            f'<details class="request" id="r-{number}" data-request="{_esc(request_id)}"{" open" if open_ else ""}>',
             f'<summary><span class="rid">{_esc(request_id)}</span> ',
             f'<span class="count">{len(numbered)} divergence{"" if len(numbered) == 1 else "s"}</span> ',
             '<span class="kinds">',
-            *(f'<span class="chip">{_esc(kind)} ×{count}</span>' for kind, count in kinds.most_common(6)),
-            "…" if len(kinds) > 6 else "",
+            *(f'<span class="chip">{_esc(pair)} <b>{count}</b></span>' for pair, count in pairs.items()),
             "</span></summary>",
         )
         groups: dict[tuple[str, str, str | None], list[_Numbered]] = {}
@@ -311,17 +320,19 @@ class _Page:
         if mark is not None:
             links, label = mark
             self.w(f' <span class="at">at {label}: ', " ".join(links), "</span>")
-        self.w(
-            "</div>",
-            '<div class="sides">',
-            f'<div class="side l"><div class="who">{_esc(d.left)}</div><pre class="val hl">{_esc(_cut(_json(d.left_value), VALUE_CHARS))}</pre></div>',
-            f'<div class="side r"><div class="who">{_esc(d.right)}</div><pre class="val hl">{_esc(_cut(_json(d.right_value), VALUE_CHARS))}</pre></div>',
-            "</div>",
-        )
         context = self.context.get(item.number)
-        if context:
-            self.w(context)
-        self.w("</div>")
+        if context is not None and context.tokens:
+            self.w('<div class="toksline">', context.tokens, "</div>")
+        self.w("</div>", '<div class="sides">')
+        for s, (name, value) in enumerate(((d.left, d.left_value), (d.right, d.right_value))):
+            self.w(
+                f'<div class="side {"lr"[s]}"><div class="who">{_esc(name)}</div>',
+                f'<pre class="val hl">{_esc(_cut(_json(value), VALUE_CHARS))}</pre>',
+            )
+            if context is not None:
+                self.w(f'<div class="lbl">{_esc(context.label)}</div>', context.texts[s])
+            self.w("</div>")
+        self.w("</div></div>")
 
     # -- streams --
 
@@ -367,11 +378,11 @@ class _Page:
 
     def stream_context(
         self, transcript: _Transcript, row: int, d: Divergence, texts: tuple[_EmittedText, _EmittedText], left: str, right: str
-    ) -> str:
-        parts = ['<div class="ctx">']
+    ) -> _Context:
         unit = "call" if transcript.by_call else "frame"
+        tokens = ""
         if transcript.inputs is not None:
-            parts += [f'<div class="lbl">token ids of {unit} {row + 1}</div>', self.ids_by_choice(transcript.inputs[row], d.index)]
+            tokens = f'<span class="lbl">token ids in {unit} {row + 1}</span>' + self.ids_by_choice(transcript.inputs[row], d.index)
         else:
             for s, name in ((0, left), (1, right)):
                 carried: dict[int, list[int]] = {}
@@ -380,14 +391,8 @@ class _Page:
                         if key == "token_ids" and index is not None and (d.index is None or index == d.index):
                             carried.setdefault(index, []).extend(i for v in values for i in (v if isinstance(v, list) else [v]))
                 if carried:
-                    parts += [f'<div class="lbl">token ids in {_esc(name)}’s frame {row + 1}</div>', self.ids_by_choice(carried, None)]
-        parts.append(f'<div class="lbl">text emitted up to {unit} {row + 1}</div><div class="sides">')
-        for s, name in ((0, left), (1, right)):
-            parts.append(f'<div class="side {"lr"[s]}"><div class="who">{_esc(name)}</div>')
-            parts.append(texts[s].html(row, d.index))
-            parts.append("</div>")
-        parts.append("</div></div>")
-        return "".join(parts)
+                    tokens += f'<span class="lbl">token ids in {_esc(name)}’s frame {row + 1}</span>' + self.ids_by_choice(carried, None)
+        return _Context(tokens, (texts[0].html(row, d.index), texts[1].html(row, d.index)), f"text emitted up to {unit} {row + 1}")
 
     # -- one-shot responses --
 
@@ -407,13 +412,17 @@ class _Page:
             for item in items:
                 if key in row_ids:
                     marks[item.number] = ([f'<a href="#{row_ids[key]}">{_esc(key[1])}</a>'], "field")
-                self.context[item.number] = self.one_shot_context(examination, item.divergence, left_fields, right_fields, left, right)
+                context = self.one_shot_context(examination, item.divergence, left_fields, right_fields)
+                if context is not None:
+                    self.context[item.number] = context
+        same = {k for k in keys if k not in by_key and k in left_fields and k in right_fields and left_fields[k] == right_fields[k]}
         out = [
-            '<details class="frames" open><summary>response fields</summary>',
+            f'<details class="frames" open><summary>response fields ({len(keys) - len(same)} shown, '
+            f"{len(same)} equal on both sides: tick “equal fields” to show them)</summary>",
             f'<table class="tx"><thead><tr><th>choice</th><th>field</th><th>{_esc(left)}</th><th>{_esc(right)}</th></tr></thead><tbody>',
         ]
         for key in keys:
-            cls = ' class="hl"' if key in by_key else ""
+            cls = ' class="hl"' if key in by_key else ' class="same"' if key in same else ""
             index, name = key
             out.append(
                 f'<tr id="{row_ids[key]}"{cls}><td class="n">{"" if index is None else index}</td><td>{_esc(name)}</td>'
@@ -424,22 +433,18 @@ class _Page:
         return out, marks
 
     def one_shot_context(
-        self, examination: Examination, d: Divergence, left_fields: Mapping[Any, Any], right_fields: Mapping[Any, Any], left: str, right: str
-    ) -> str:
+        self, examination: Examination, d: Divergence, left_fields: Mapping[Any, Any], right_fields: Mapping[Any, Any]
+    ) -> _Context | None:
         if d.index is None:
-            return ""
-        parts = ['<div class="ctx">']
+            return None
         ids = examination.token_ids.get(d.index)
-        if ids is not None:
-            parts += ['<div class="lbl">token ids of the choice (one chunk)</div>', self.ids_by_choice({d.index: ids}, None)]
-        parts.append('<div class="lbl">text emitted</div><div class="sides">')
-        for s, (name, fields) in enumerate(((left, left_fields), (right, right_fields))):
-            texts = [(f, fields.get((d.index, f))) for f in TEXT_FIELDS]
-            parts.append(f'<div class="side {"lr"[s]}"><div class="who">{_esc(name)}</div>')
-            parts += [_text_html(f, t) for f, t in texts if isinstance(t, str)]
-            parts.append("</div>")
-        parts.append("</div></div>")
-        return "".join(parts)
+        tokens = "" if ids is None else '<span class="lbl">token ids (one chunk)</span>' + self.ids_by_choice({d.index: ids}, None)
+        texts = tuple(
+            "".join(_text_html(f, t) for f in TEXT_FIELDS if isinstance(t := fields.get((d.index, f)), str))
+            or '<span class="none">no text</span>'
+            for fields in (left_fields, right_fields)
+        )
+        return _Context(tokens, (texts[0], texts[1]), "text emitted")
 
     # -- token ids --
 
@@ -569,9 +574,11 @@ def build_page(
         page.w(*(f"<li><b>{_esc(r)}</b>: {_esc(why)}</li>" for r, why in skipped))
         page.w("</ul></details>")
     page.w('<main id="requests">')
+    first = True
     for number, (examination, items) in enumerate(zip(examinations, numbered, strict=True), 1):
         if items:
-            page.request(number, examination, items)
+            page.request(number, examination, items, open_=first)
+            first = False
     page.w("</main>", f"<script>{_JS}</script></body></html>\n")
     return "".join(page.out)
 
@@ -589,28 +596,36 @@ def _summary(page: _Page, every: list[_Numbered], with_divergences: int, request
     if not every:
         page.w("<p>No divergences.</p></section>")
         return
+    pairs: dict[tuple[str, str], list[list[_Numbered]]] = {}
+    for (left, right, _), members in kinds.items():
+        pairs.setdefault((left, right), []).append(members)
     page.w(
-        '<table class="sum"><thead><tr><th>pair of paths</th><th>field</th><th>divergences</th>',
-        "<th>requests</th><th>first</th></tr></thead><tbody>",
+        '<table class="sum"><thead><tr><th>pair of paths</th><th>divergences</th><th>requests</th>',
+        "<th>fields (click: filter and go to the first)</th></tr></thead><tbody>",
     )
-    ordered = sorted(kinds.items(), key=lambda kv: (kv[0][0], kv[0][1], -len(kv[1]), kv[0][2]))
-    for (left, right, name), members in ordered:
-        kind = members[0].divergence.kind
-        requests_hit = len({m.divergence.request_id for m in members})
+    for (left, right), groups in pairs.items():
+        groups.sort(key=lambda members: (-len(members), members[0].divergence.field))
+        requests_hit = len({m.divergence.request_id for members in groups for m in members})
         page.w(
-            f'<tr data-kind="{_esc(kind)}"><td>{_esc(left)} vs {_esc(right)}</td><td><b>{_esc(name)}</b></td>',
-            f'<td class="n">{len(members)}</td><td class="n">{requests_hit}</td>',
-            f'<td><a href="#d-{members[0].number}">#{members[0].number}</a></td></tr>',
+            f"<tr><td>{_esc(left)} vs {_esc(right)}</td><td class=\"n\">{sum(len(m) for m in groups)}</td>",
+            f'<td class="n">{requests_hit}</td><td>',
+            *(
+                f'<a class="kchip" href="#d-{m[0].number}" data-kind="{_esc(m[0].divergence.kind)}">'
+                f"{_esc(m[0].divergence.field)} <b>{len(m)}</b></a>"
+                for m in groups
+            ),
+            "</td></tr>",
         )
     page.w("</tbody></table>")
     page.w(
         '<form class="filters" onsubmit="return false"><label>kind <select id="f-kind"><option value="">all</option>',
-        *(f'<option value="{_esc(m[0].divergence.kind)}">{_esc(m[0].divergence.kind)} ({len(m)})</option>' for _, m in ordered),
+        *(f'<option value="{_esc(m[0].divergence.kind)}">{_esc(m[0].divergence.kind)} ({len(m)})</option>' for m in kinds.values()),
         '</select></label> <label>path <select id="f-path"><option value="">all</option>',
         *(f'<option value="{_esc(p)}">{_esc(p)}</option>' for p in paths),
         '</select></label> <label>request <input id="f-request" type="search" placeholder="id contains"></label> ',
         '<button type="button" id="f-open">open all</button> <button type="button" id="f-close">close all</button> ',
         '<label><input type="checkbox" id="f-json"> frames as JSON</label> ',
+        '<label><input type="checkbox" id="f-same"> equal fields</label> ',
         f'<span id="shown">{len(every)} of {len(every)} shown</span></form></section>',
     )
 
@@ -625,10 +640,11 @@ h1{font-size:20px;margin:0}
 .summary,main{padding:8px 24px}
 table{border-collapse:collapse}
 .sum th,.sum td{padding:3px 10px;border-bottom:1px solid var(--line);text-align:left}
-.sum tbody tr{cursor:pointer}.sum tbody tr:hover{background:#eef3ff}
+.kchip{display:inline-block;font-size:12px;background:#eef3ff;color:#1c3d7a;border-radius:10px;padding:0 8px;margin:1px 4px 1px 0;text-decoration:none}
+.kchip:hover{background:#d6e4ff}
 td.n{text-align:right;font-variant-numeric:tabular-nums;color:var(--mut)}
 .filters{margin:12px 0 4px;display:flex;gap:12px;flex-wrap:wrap;align-items:center}
-.filters select,.filters input[type=search]{font:inherit;padding:2px 4px}
+.filters select,.filters input[type=search]{font:inherit;padding:2px 4px;max-width:24em}
 #shown{color:var(--mut)}
 details.request{background:var(--card);border:1px solid var(--line);border-radius:6px;margin:8px 0}
 details.request>summary{padding:8px 12px;cursor:pointer;display:flex;gap:10px;align-items:baseline;flex-wrap:wrap}
@@ -648,9 +664,10 @@ h3{font-size:15px;margin:8px 0}
 pre{margin:0;white-space:pre-wrap;word-break:break-all;font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace}
 pre.val{max-height:14em;overflow:auto;padding:4px 6px;border-radius:3px}
 pre.val.hl{background:var(--hl)}
-.ctx{margin-top:6px}
-.lbl{font-size:12px;color:var(--mut);margin:4px 0 2px}
-.toks{display:flex;flex-wrap:wrap;gap:3px;align-items:flex-start;margin:2px 0}
+.lbl{font-size:12px;color:var(--mut);margin:3px 0 1px}
+.toksline{display:flex;flex-wrap:wrap;gap:4px 10px;align-items:center;margin-top:3px}
+.toksline .lbl{margin:0}
+.toks{display:inline-flex;flex-wrap:wrap;gap:3px;align-items:flex-start;margin:1px 0}
 .tok{display:inline-flex;flex-direction:column;align-items:center;border:1px solid var(--line);border-radius:3px;padding:0 4px;background:#fff;font:12px ui-monospace,SFMono-Regular,Menlo,monospace}
 .tok .id{color:var(--mut);font-size:10px}.tok .pc{white-space:pre}
 .ci{color:var(--mut);font:12px ui-monospace,monospace;margin-right:4px}
@@ -672,6 +689,10 @@ table.tx tr:target>td{outline:2px solid var(--l)}
 .fr .json{display:none}
 body.json .fr .json{display:block}body.json .fr .ch{display:none}
 pre.cell{max-height:10em;overflow:auto}
+table.tx tr.same{display:none}body.same table.tx tr.same{display:table-row}
+details>summary{list-style:none}details>summary::-webkit-details-marker{display:none}
+details>summary::before{content:"▸";color:var(--mut);display:inline-block;width:1em}
+details[open]>summary::before{content:"▾"}
 [hidden]{display:none!important}
 """
 
@@ -695,11 +716,12 @@ function apply(){
 ['f-kind','f-path'].forEach(function(id){$(id).addEventListener('change',apply)});
 $('f-request').addEventListener('input',apply);
 $('f-json').addEventListener('change',function(){document.body.classList.toggle('json',this.checked)});
+$('f-same').addEventListener('change',function(){document.body.classList.toggle('same',this.checked)});
 function all(open){var ds=document.querySelectorAll('details.request');for(var i=0;i<ds.length;i++)if(!ds[i].hidden)ds[i].open=open}
 $('f-open').addEventListener('click',function(){all(true)});
 $('f-close').addEventListener('click',function(){all(false)});
-var rows=document.querySelectorAll('.sum tbody tr');
-for(var k=0;k<rows.length;k++)rows[k].addEventListener('click',function(e){if(e.target.tagName==='A')return;$('f-kind').value=this.dataset.kind;apply()});
+var chips=document.querySelectorAll('.kchip');
+for(var k=0;k<chips.length;k++)chips[k].addEventListener('click',function(){$('f-kind').value=this.dataset.kind;$('f-path').value='';$('f-request').value='';apply()});
 window.addEventListener('hashchange',go);
 apply();go();
 document.body.setAttribute('data-ready',String(total));

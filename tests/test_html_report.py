@@ -137,12 +137,12 @@ def test_a_stream_divergence_is_shown_at_the_call_it_starts() -> None:
     dom = _Dom(build_page([examination], title="t", pieces={10: "Hel", 12: "p"}))
     number = next(n for n, d in enumerate(examination.divergences, 1) if d.field == "content")
     text = dom.card_text(f"d-{number}")
-    assert "token ids of call 2" in text and "12" in text and "p" in text
+    assert "token ids in call 2" in text and "12" in text and "p" in text
     assert '"Hello"' in text and '"Help"' in text  # the text emitted so far, each side
     rows = [dom.ids[link[1:]] for link in dom.cards[f"d-{number}"]["links"] if link.startswith("#f-")]
     assert len(rows) == 1 and rows[0]["tag"] == "tr"
     role = next(n for n, d in enumerate(examination.divergences, 1) if d.field == "role_frame")
-    assert "token ids of call 1" in dom.card_text(f"d-{role}")
+    assert "token ids in call 1" in dom.card_text(f"d-{role}")
 
 
 def test_values_are_escaped() -> None:
