@@ -302,12 +302,12 @@ class _Page:
             else:
                 body, marks = self.fields(examination, left_seen, right_seen, left, right, members)
         for item in members:
-            self.card(item, examination, marks.get(item.number), left, right)
+            self.card(item, marks.get(item.number))
         self.w(*body, "</section>")
 
     # -- a divergence --
 
-    def card(self, item: _Numbered, examination: Examination, mark: tuple[list[str], str] | None, left: str, right: str) -> None:
+    def card(self, item: _Numbered, mark: tuple[list[str], str] | None) -> None:
         d = item.divergence
         where = "request" if d.index is None else f"choice {d.index}"
         self.w(

@@ -57,7 +57,8 @@ class _Dom(HTMLParser):
         if self._card is None and "div" in classes and tag == "div":
             self._card = found["id"]
             self._card_depth = len(self._stack)
-            self.cards[self._card] = {**found, "highlighted": False, "links": [], "text": []}
+            section = next((a for t, a in reversed(self._stack) if t == "details" and "request" in a.get("class", "")), {})
+            self.cards[self._card] = {**found, "highlighted": False, "links": [], "text": [], "open": "open" in section}
         elif self._card is not None:
             card = self.cards[self._card]
             card["highlighted"] |= "hl" in classes
@@ -215,9 +216,9 @@ def test_diff_html(tmp_path: Path) -> None:
     assert both.returncode == 2 and b"only one of them" in both.stderr and not both.stdout
 
 
-def _dump_dom(page: Path) -> str:
+def _dump_dom(page: Path, anchor: str = "") -> str:
     """The page's DOM after its script ran, from headless Chromium with the
-    network off (a closed proxy, no name resolution)."""
+    network off (a closed proxy, no name resolution), opened at `anchor`."""
     assert CHROMIUM is not None
     with tempfile.TemporaryDirectory() as profile:
         done = subprocess.run(
@@ -225,7 +226,7 @@ def _dump_dom(page: Path) -> str:
                 CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 f"--user-data-dir={profile}", "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-                "--virtual-time-budget=5000", "--dump-dom", page.as_uri(),
+                "--virtual-time-budget=5000", "--dump-dom", page.as_uri() + anchor,
             ],
             capture_output=True, timeout=180,
         )  # fmt: skip
@@ -255,6 +256,10 @@ def test_the_sample_page_in_a_browser(tmp_path: Path) -> None:
             line["request_id"], line["left"], line["right"], line["field"]
         ), number
         assert card["highlighted"], number
+    # A request's section is collapsed (the first one aside); a link to a
+    # divergence in it opens it.
+    assert dom.cards["d-1"]["open"] and not dom.cards["d-22"]["open"]
+    assert _Dom(_dump_dom(page, "#d-22")).cards["d-22"]["open"]
     # Every divergence between two transcripts points at highlighted frames.
     for number, line in enumerate(lines, 1):
         if line["left"] != "record":
