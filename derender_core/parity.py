@@ -483,7 +483,7 @@ class Parity:
             response, _, _ = _one_response(body, self.endpoint)
         except (RecordError, AttributeError):
             return {}
-        return {c.get("index", 0): list(c.get("token_ids") or []) for c in response.get("choices") or [] if isinstance(c, Mapping)}
+        return _choice_ids(response.get("choices"))
 
     def _one_shot(self, engine: Derenderer, body: Any) -> Observed:
         answer = engine.post(self.endpoint, body)
@@ -514,5 +514,16 @@ class Parity:
 def _call_token_ids(body: Any) -> dict[int, list[int]]:
     """The token ids one stream call carries, per choice index."""
     chunk = body.get("generate_chunk") if isinstance(body, Mapping) else None
-    choices = chunk.get("choices") if isinstance(chunk, Mapping) else None
-    return {c.get("index", 0): list(c.get("token_ids") or []) for c in choices or [] if isinstance(c, Mapping)}
+    return _choice_ids(chunk.get("choices") if isinstance(chunk, Mapping) else None)
+
+
+def _choice_ids(choices: Any) -> dict[int, list[int]]:
+    """The token ids of generate choices, per index, whatever a record put
+    there (they are shown, never compared: what is not ids is left out)."""
+    found: dict[int, list[int]] = {}
+    for choice in choices if isinstance(choices, list) else []:
+        index = choice.get("index", 0) if isinstance(choice, Mapping) else None
+        if isinstance(index, int):
+            token_ids = choice.get("token_ids")  # type: ignore[union-attr]
+            found[index] = [i for i in token_ids if isinstance(i, int)] if isinstance(token_ids, list) else []
+    return found
