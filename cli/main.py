@@ -26,18 +26,18 @@ import typer
 from rich.console import Console
 
 from derender_core import (
+    ConfigError,
     DerenderError,
-    Divergence,
     Endpoint,
     ExitStatus,
     Normalization,
     RenderConfig,
     StreamFailure,
-    diff_items,
     read_items,
 )
 from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_parity
 from derender_core.parity import PATHS, Chunking
+from derender_core.responses import ACTUAL, EXPECTED, diff_examinations
 
 from . import options as opt
 from .control import server_app
@@ -50,7 +50,7 @@ from .options import (
     render_config,
 )
 from .progress import ProgressDisplay, print_outcome
-from .report import print_table, write_report
+from .report import Findings, print_table, write_page, write_report
 
 app = typer.Typer(
     name="derender",
@@ -319,23 +319,33 @@ class Comparison:
     ignore: tuple[str, ...]
     normalization: Normalization
     report: str | None
+    html: str | None
     quiet: bool
 
     @classmethod
     def of(cls, flags: dict[str, Any]) -> "Comparison":
-        """From `options.COMPARE_OPTIONS` as given."""
+        """From `options.COMPARE_OPTIONS` as given.
+
+        Raises:
+            ConfigError: for ``--report -`` with ``--html -`` (one stdout).
+
+        """
+        if flags["report"] == "-" and flags["html"] == "-":
+            raise ConfigError("--report - and --html -: only one of them can go to stdout")
         normalization = Normalization(flags["ignore_created"], flags["ignore_ids"], flags["null_is_absent"])
-        return cls(tuple(flags["ignore"] or ()), normalization, flags["report"], flags["quiet"])
+        return cls(tuple(flags["ignore"] or ()), normalization, flags["report"], flags["html"], flags["quiet"])
 
     @contextlib.contextmanager
-    def output(self, console: Console) -> Iterator[list[Divergence]]:
-        """Collects divergences; on the way out, the table and the report."""
-        found: list[Divergence] = []
+    def output(self, console: Console, title: str) -> Iterator[Findings]:
+        """Collects findings; on the way out, the table, the report and the page."""
+        found = Findings()
         yield found
         if self.report is not None:
-            write_report(self.report, found)
+            write_report(self.report, found.divergences)
+        if self.html is not None:
+            write_page(self.html, title, found)
         if not self.quiet:
-            print_table(console, found)
+            print_table(console, found.divergences)
 
 
 @app.command()
@@ -369,21 +379,25 @@ def parity(
         input_path, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
+        examine=comparison.html is not None,
     )  # fmt: skip
+    with comparison.output(console, f"derender parity: {recorded or input_path}") as found:
 
-    def skipped(request: Any) -> None:
-        console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
+        def skipped(request: Any) -> None:
+            console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
+            found.skipped.append((str(request.request_id), str(request.problem)))
 
-    with comparison.output(console) as found:
         result = run_parity(config, spec, skipped, warm=warm_engines)
-        found += result.divergences
-    if not comparison.quiet:
-        console.print(
-            f"derender: parity: {result.requests} requests, {len(found)} divergences, "
-            f"{result.not_compared} not compared; paths {', '.join(spec.paths)}",
-            markup=False,
+        found.divergences += result.divergences
+        found.examinations, found.pieces = result.examinations, result.pieces
+        summary = (
+            f"{result.requests} requests, {len(found.divergences)} divergences, "
+            f"{result.not_compared} not compared; paths {', '.join(spec.paths)}"
         )
-    return ExitStatus.RECORDS_FAILED if found or result.not_compared else ExitStatus.OK
+        found.subtitle = summary + ("" if stream or recorded else f"; chunking {', '.join(c.name for c in spec.chunkings)}")
+    if not comparison.quiet:
+        console.print(f"derender: parity: {summary}", markup=False)
+    return ExitStatus.RECORDS_FAILED if found.divergences or result.not_compared else ExitStatus.OK
 
 
 @app.command()
@@ -405,25 +419,29 @@ def diff(
     no answer at all.
     """
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    comparison = Comparison.of(compare)
     try:
+        comparison = Comparison.of(compare)
         sides = {expected: list(read_items(expected)), actual: list(read_items(actual))}
         empty = [path for path, items in sides.items() if not any(item.holds_answer for item in items)]
         if empty:
             # "0 divergences" would read as agreement; nothing can be compared.
             console.print(f"derender: diff: no answers in {' or '.join(empty)}: nothing to compare", markup=False)
             raise typer.Exit(ExitStatus.NO_ANSWERS)
-        with comparison.output(console) as found:
-            found += diff_items(
-                sides[expected], sides[actual], by_key=Path(expected).is_dir() and Path(actual).is_dir(),
-                ignore=comparison.ignore, normalization=comparison.normalization,
+        with comparison.output(console, f"derender diff: {expected} vs {actual}") as found:
+            found.examinations = list(
+                diff_examinations(
+                    sides[expected], sides[actual], by_key=Path(expected).is_dir() and Path(actual).is_dir(),
+                    ignore=comparison.ignore, normalization=comparison.normalization,
+                )
             )  # fmt: skip
+            found.divergences = [d for examination in found.examinations for d in examination.divergences]
+            found.subtitle = f"{EXPECTED}: {expected}; {ACTUAL}: {actual}; {len(found.examinations)} requests"
     except DerenderError as exc:
         console.print(f"derender: error: {exc}", markup=False)
         raise typer.Exit(ExitStatus.USAGE) from None
     if not comparison.quiet:
-        console.print(f"derender: diff: {len(found)} divergences", markup=False)
-    raise typer.Exit(ExitStatus.RECORDS_FAILED if found else ExitStatus.OK)
+        console.print(f"derender: diff: {len(found.divergences)} divergences", markup=False)
+    raise typer.Exit(ExitStatus.RECORDS_FAILED if found.divergences else ExitStatus.OK)
 
 
 app.add_typer(server_app)

@@ -302,6 +302,18 @@ ReportOpt = Annotated[
         "left_value, right_value (and chunking, where one applies).",
     ),
 ]
+HtmlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--html",
+        metavar="FILE.html",
+        help="Write one self-contained page (no network needed) to look at the divergences: "
+        "a summary by kind and pair of paths, filters, and per request what each side answered "
+        "(streams call by call, one-shot answers field by field), each divergence highlighted, "
+        "with its token ids and the text emitted so far, at anchor #d-N (N: its line in --report). "
+        "- for stdout.",
+    ),
+]
 CreatedOpt = Annotated[
     bool,
     typer.Option("--ignore-created/--compare-created", help="Whether `created` timestamps are compared."),
@@ -402,6 +414,7 @@ FromServeOpt = Annotated[
 COMPARE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "ignore": (IgnoreOpt, None),
     "report": (ReportOpt, None),
+    "html": (HtmlOpt, None),
     "ignore_created": (CreatedOpt, True),
     "ignore_ids": (IdsOpt, True),
     "null_is_absent": (NullOpt, True),

@@ -1,8 +1,9 @@
-"""Divergences on stderr, as a Rich table grouped by kind, and as JSONL."""
+"""Divergences on stderr, as a Rich table grouped by kind, as JSONL, and as a page."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -11,10 +12,34 @@ from rich.table import Table
 from rich.text import Text
 
 from derender_core import Divergence
+from derender_core.compare import Examination
+from derender_core.html_report import build_page
 from derender_core.records import open_output
 
 VALUE_WIDTH = 60
 TABLE_WIDTH = 160
+
+
+@dataclass
+class Findings:
+    """What `parity` and `diff` found, for the table, the report and the page."""
+
+    divergences: list[Divergence] = field(default_factory=list)
+    examinations: list[Examination] = field(default_factory=list)
+    """Each request as the sides answered it (kept for ``--html`` only)."""
+    pieces: dict[int, str] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(request, why) for each request that could not be compared."""
+    subtitle: str = ""
+
+
+def write_page(path: str, title: str, findings: Findings) -> None:
+    """The ``--html`` page: one self-contained file."""
+    page = build_page(
+        findings.examinations, title=title, subtitle=findings.subtitle, pieces=findings.pieces, skipped=findings.skipped
+    )
+    with open_output(path) as target:
+        target.write(page.encode())
 
 
 def write_report(path: str, divergences: list[Divergence]) -> None:

@@ -105,6 +105,30 @@ class Observed:
     chunks: list[dict[str, Any]] | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    calls: list[int] | None = None
+    """For a stream run call by call: how many of `chunks` each call
+    answered, so that two paths' transcripts line up by call."""
+
+
+@dataclass
+class Examination:
+    """One request examined: what each side answered and where the sides
+    differ. Reports keep the divergences only; ``--html`` shows the rest."""
+
+    request_id: str | None
+    observed: dict[tuple[str, str | None], Observed] = field(default_factory=dict)
+    """Per (path, chunking); the chunking is None for a one-shot path and
+    for a stream that ran with its own chunking."""
+    divergences: list[Divergence] = field(default_factory=list)
+    calls: dict[str | None, list[dict[int, list[int]]]] = field(default_factory=dict)
+    """Per chunking: the token ids each stream call carried, per choice index."""
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """The one-shot body's token ids, per choice index."""
+
+    def side(self, path: str, chunking: str | None) -> Observed | None:
+        """What `path` answered under `chunking` (a one-shot path under any)."""
+        found = self.observed.get((path, chunking))
+        return found if found is not None else self.observed.get((path, None))
 
 
 def compare(
@@ -135,11 +159,11 @@ def compare(
     missing = None if normalization.null_is_absent else ABSENT
     left_response = normalized(left.response or {}, normalization)
     right_response = normalized(right.response or {}, normalization)
-    left_choices = _by_index(left_response.get("choices"))
-    right_choices = _by_index(right_response.get("choices"))
+    left_choices = choices_by_index(left_response.get("choices"))
+    right_choices = choices_by_index(right_response.get("choices"))
     for index in sorted(left_choices.keys() | right_choices.keys()):
-        left_fields = _choice_fields(left_choices.get(index))
-        right_fields = _choice_fields(right_choices.get(index))
+        left_fields = choice_fields(left_choices.get(index))
+        right_fields = choice_fields(right_choices.get(index))
         for name in _ordered(left_fields.keys() | right_fields.keys()):
             note(index, name, left_fields.get(name, missing), right_fields.get(name, missing))
     for name in _ordered((left_response.keys() | right_response.keys()) - {"choices"}):
@@ -170,13 +194,13 @@ def _shape_order(key: tuple[int | None, str]) -> tuple[int, str]:
     return (-1 if index is None else index, name)
 
 
-def _by_index(choices: Any) -> dict[int, Mapping[str, Any]]:
+def choices_by_index(choices: Any) -> dict[int, Mapping[str, Any]]:
     if not isinstance(choices, list):
         return {}
     return {c.get("index", i): c for i, c in enumerate(choices) if isinstance(c, Mapping)}
 
 
-def _choice_fields(choice: Mapping[str, Any] | None) -> dict[str, Any]:
+def choice_fields(choice: Mapping[str, Any] | None) -> dict[str, Any]:
     """A choice's fields by their report names; a missing choice is one
     field, ``choice``."""
     if choice is None:

@@ -21,13 +21,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
-from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization
+from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization
 from .config import RenderConfig
 from .datasets import (
     Input,
@@ -591,6 +591,10 @@ class ParitySpec:
     stream: bool = False
     """With `requests`: the input holds generate stream chunks."""
     recorded: str | None = None
+    examine: bool = False
+    """Keep each request's `Examination` (what every path answered) and the
+    pieces of its token ids, for a page that shows them; without it memory
+    stays flat."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", parity_paths(self.paths))
@@ -602,6 +606,10 @@ class ParityResult:
     divergences: list[Divergence] = field(default_factory=list)
     requests: int = 0
     not_compared: int = 0
+    examinations: list[Examination] = field(default_factory=list)
+    """With `ParitySpec.examine`: every compared request's examination, in order."""
+    pieces: dict[int, str] = field(default_factory=dict)
+    """With `ParitySpec.examine`: each token id's piece in the tokenizer's vocabulary."""
 
 
 def parity_paths(names: Iterable[str]) -> list[str]:
@@ -640,6 +648,7 @@ def run_parity(
             inputs = requests_of(
                 iter_records(source), spec.endpoint, stream=spec.stream, requests=requests, chunkings=list(spec.chunkings)
             )  # fmt: skip
+        pieces_of = getattr(next(iter(engines.values())), "token_pieces", None)
         for request in inputs:
             result.requests += 1
             if request.problem is not None:
@@ -647,8 +656,22 @@ def run_parity(
                 if on_skip is not None:
                     on_skip(request)
                 continue
-            result.divergences += checker.run(request)
+            if not spec.examine:
+                result.divergences += checker.run(request)
+                continue
+            examination = checker.examine(request)
+            result.divergences += examination.divergences
+            result.examinations.append(examination)
+            if pieces_of is not None:
+                result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
     return result
+
+
+def _new_ids(examination: Examination, known: Mapping[int, str]) -> set[int]:
+    """The token ids an examination's inputs carry that `known` lacks."""
+    per_choice = [*examination.token_ids.values()]
+    per_choice += [ids for calls in examination.calls.values() for call in calls for ids in call.values()]
+    return {i for ids in per_choice for i in ids if i not in known}
 
 
 def _parity_engines(

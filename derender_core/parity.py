@@ -40,7 +40,14 @@ from typing import Any
 
 import orjson
 
-from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed, compare
+from .compare import (
+    DEFAULT_NORMALIZATION,
+    Divergence,
+    Examination,
+    Normalization,
+    Observed,
+    compare,
+)
 from .errors import ConfigError, RecordError
 from .prompts import PromptRenderer, prompt_divergences
 from .protocol import Derenderer, Endpoint, FramesAnswer
@@ -422,8 +429,14 @@ class Parity:
     def run(self, request: Request) -> list[Divergence]:
         """Every divergence between the paths for one request (one that
         cannot run, `Request.problem`, has none: the caller reports it)."""
+        return self.examine(request).divergences
+
+    def examine(self, request: Request) -> Examination:
+        """What every path answered for one request, the token ids it was
+        given, and every divergence between the paths (none, and nothing
+        observed, for a request that cannot run)."""
         if request.problem is not None:
-            return []
+            return Examination(request.request_id)
         findings: list[Divergence] = []
         seen_findings: set[tuple[Any, ...]] = set()
         observed: dict[tuple[str, str | None], Observed] = {}
@@ -459,7 +472,18 @@ class Parity:
                         request_id=request.request_id, ignore=self.ignore,
                         normalization=self.normalization, chunking=lchunk or rchunk,
                     )  # fmt: skip
-        return divergences + findings
+        return Examination(
+            request.request_id, observed, divergences + findings,
+            calls={chunking: [_call_token_ids(body) for body in bodies] for chunking, bodies in request.streams},
+            token_ids=self._one_shot_token_ids(request.one_shot),
+        )  # fmt: skip
+
+    def _one_shot_token_ids(self, body: Any) -> dict[int, list[int]]:
+        try:
+            response, _, _ = _one_response(body, self.endpoint)
+        except (RecordError, AttributeError):
+            return {}
+        return _choice_ids(response.get("choices"))
 
     def _one_shot(self, engine: Derenderer, body: Any) -> Observed:
         answer = engine.post(self.endpoint, body)
@@ -471,6 +495,7 @@ class Parity:
         ledger = StreamLedger()
         assembly = Assembly(self.endpoint)
         chunks: list[dict[str, Any]] = []
+        calls: list[int] = []
         for body in bodies:
             facts = ChunkFacts.of(body, self.endpoint)
             answer = engine.post(self.endpoint, ledger.with_state(body, facts))
@@ -479,7 +504,26 @@ class Parity:
                 return Observed(error=error_text(answer.body))
             assembly.take(answer)
             chunks += answer.chunks
+            calls.append(len(answer.chunks))
         if assembly.error is not None:
             return Observed(error=error_text(orjson.loads(assembly.error)))
         # As a client assembles it, the same way recorded streams are read.
-        return Observed(response=assembly.fields(), chunks=chunks)
+        return Observed(response=assembly.fields(), chunks=chunks, calls=calls)
+
+
+def _call_token_ids(body: Any) -> dict[int, list[int]]:
+    """The token ids one stream call carries, per choice index."""
+    chunk = body.get("generate_chunk") if isinstance(body, Mapping) else None
+    return _choice_ids(chunk.get("choices") if isinstance(chunk, Mapping) else None)
+
+
+def _choice_ids(choices: Any) -> dict[int, list[int]]:
+    """The token ids of generate choices, per index, whatever a record put
+    there (they are shown, never compared: what is not ids is left out)."""
+    found: dict[int, list[int]] = {}
+    for choice in choices if isinstance(choices, list) else []:
+        index = choice.get("index", 0) if isinstance(choice, Mapping) else None
+        if isinstance(index, int):
+            token_ids = choice.get("token_ids")  # type: ignore[union-attr]
+            found[index] = [i for i in token_ids if isinstance(i, int)] if isinstance(token_ids, list) else []
+    return found

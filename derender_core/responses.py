@@ -20,7 +20,14 @@ from typing import Any
 
 import orjson
 
-from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed, compare
+from .compare import (
+    DEFAULT_NORMALIZATION,
+    Divergence,
+    Examination,
+    Normalization,
+    Observed,
+    compare,
+)
 from .errors import InputError
 from .protocol import Endpoint
 from .records import open_input, parse_line, sniff_lines
@@ -164,8 +171,24 @@ def diff_items(
     """Compare answered requests pairwise: in order, or by key (file name)
     when `by_key`. A request on one side only is a divergence of field
     ``record``."""
+    return [
+        divergence
+        for examination in diff_examinations(expected, actual, by_key=by_key, ignore=ignore, normalization=normalization)
+        for divergence in examination.divergences
+    ]
+
+
+def diff_examinations(
+    expected: Iterable[Item],
+    actual: Iterable[Item],
+    *,
+    by_key: bool = False,
+    ignore: Iterable[str] = (),
+    normalization: Normalization = DEFAULT_NORMALIZATION,
+) -> Iterator[Examination]:
+    """`diff_items`, request by request: each pair as both sides observed
+    it (under `EXPECTED` and `ACTUAL`) with its divergences."""
     ignored = frozenset(ignore)
-    found: list[Divergence] = []
     if by_key:
         left = {item.key: item for item in expected}
         right = {item.key: item for item in actual}
@@ -176,15 +199,21 @@ def diff_items(
     for left_item, right_item in paired:
         key = (left_item or right_item).key  # type: ignore[union-attr]
         if left_item is None or right_item is None:
+            examination = Examination(key)
             if "record" not in ignored:
-                found.append(
+                examination.divergences.append(
                     Divergence(key, None, EXPECTED, ACTUAL, "record",
                                None if left_item is None else "present",
                                None if right_item is None else "present")
                 )  # fmt: skip
+            yield examination
             continue
-        found += compare(
-            EXPECTED, left_item.observed(), ACTUAL, right_item.observed(),
-            request_id=key, ignore=ignored, normalization=normalization,
+        left_seen, right_seen = left_item.observed(), right_item.observed()
+        yield Examination(
+            key,
+            {(EXPECTED, None): left_seen, (ACTUAL, None): right_seen},
+            compare(
+                EXPECTED, left_seen, ACTUAL, right_seen,
+                request_id=key, ignore=ignored, normalization=normalization,
+            ),
         )  # fmt: skip
-    return found

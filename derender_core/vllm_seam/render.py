@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -148,6 +148,17 @@ class DerenderEngine(CodeAPI):
     def tokenizer(self) -> Any:
         """vLLM's tokenizer for the model, as the derenderer decodes with it."""
         return self._serving.online_derenderer.renderer.get_tokenizer()
+
+    def token_pieces(self, ids: Iterable[int]) -> dict[int, str]:
+        """Each id's piece in the tokenizer's vocabulary (``Ġthe``,
+        ``<0xE4>``, ``▁the``), to show which tokens a chunk carried; ids the
+        tokenizer does not hold are left out."""
+        known = sorted({i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size})
+        try:
+            pieces = self.tokenizer.convert_ids_to_tokens(known)
+        except (AttributeError, NotImplementedError, TypeError, ValueError, IndexError):
+            return {}  # a tokenizer without a vocabulary to show
+        return {i: piece for i, piece in zip(known, pieces, strict=False) if isinstance(piece, str)}
 
     def _check_tokenizer(self, directory: str) -> None:
         """Refuse a tokenizer that can only decode its special tokens.
