@@ -37,6 +37,7 @@ from derender_core import (
     read_items,
 )
 from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_parity
+from derender_core.minimize import DEFAULT_STEPS, Minimal
 from derender_core.parity import PATHS, Chunking
 
 from . import options as opt
@@ -50,7 +51,7 @@ from .options import (
     render_config,
 )
 from .progress import ProgressDisplay, print_outcome
-from .report import print_table, write_report
+from .report import print_minimal, print_minimized, print_table, write_report
 
 app = typer.Typer(
     name="derender",
@@ -351,6 +352,9 @@ def parity(
     requests: opt.RequestsOpt = None,
     stream: opt.StreamInputOpt = False,
     recorded: opt.FromServeOpt = None,
+    minimize: opt.MinimizeOpt = None,
+    minimize_steps: opt.MinimizeStepsOpt = DEFAULT_STEPS,
+    repro: opt.ReproOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -369,13 +373,18 @@ def parity(
         input_path, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
+        minimize=minimize, minimize_steps=minimize_steps, repro=repro,
     )  # fmt: skip
 
     def skipped(request: Any) -> None:
         console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
 
+    def minimized(minimal: Minimal) -> None:
+        if not comparison.quiet:
+            print_minimal(console, minimal)
+
     with comparison.output(console) as found:
-        result = run_parity(config, spec, skipped, warm=warm_engines)
+        result = run_parity(config, spec, skipped, warm=warm_engines, on_minimized=minimized)
         found += result.divergences
     if not comparison.quiet:
         console.print(
@@ -383,6 +392,8 @@ def parity(
             f"{result.not_compared} not compared; paths {', '.join(spec.paths)}",
             markup=False,
         )
+        if spec.minimizing:
+            print_minimized(console, result.minimized, spec.minimize, spec.repro)
     return ExitStatus.RECORDS_FAILED if found or result.not_compared else ExitStatus.OK
 
 

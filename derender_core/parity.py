@@ -116,7 +116,7 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
     """A one-shot body as the streaming calls a client makes for the same
     tokens: choices interleaved one chunk at a time, as the engine emits
     them, then the usage chunk. The request streams with usage."""
-    response, prompt_tokens, prompt_ids = _one_response(body, endpoint)
+    response, prompt_tokens, prompt_ids = one_response(body, endpoint)
     request = body.get(endpoint.request_key)
     stream_request = None if request is None else {**request, "stream": True, "stream_options": {"include_usage": True}}
     per_choice: list[list[dict[str, Any]]] = []
@@ -168,7 +168,7 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
     ]
 
 
-def _one_response(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[Mapping[str, Any], Any, Any]:
+def one_response(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[Mapping[str, Any], Any, Any]:
     """The generate response of a one-shot body, its prompt length and ids."""
     if endpoint is Endpoint.CHAT:
         response = body.get("generate_response")
@@ -261,7 +261,7 @@ def requests_of(
 
 def _one_shot_request(body: Mapping[str, Any], endpoint: Endpoint, chunkings: list[Chunking]) -> Request:
     try:
-        response, _, _ = _one_response(body, endpoint)
+        response, _, _ = one_response(body, endpoint)
         request = Request(str(response.get("request_id")), one_shot=body)
         request.streams = [(c.name, stream_bodies(body, endpoint, c)) for c in chunkings]
     except (RecordError, TypeError, AttributeError) as exc:
@@ -393,6 +393,15 @@ def pairs(paths: Iterable[str], recorded: bool = False) -> list[tuple[str, str]]
     return found
 
 
+@dataclass
+class Examined:
+    """One request through the paths: each path's answer, keyed by (path,
+    chunking name or None), and the divergences found between them."""
+
+    observed: dict[tuple[str, str | None], Observed]
+    divergences: list[Divergence]
+
+
 class Parity:
     """Runs requests through the chosen paths and compares them.
 
@@ -422,8 +431,13 @@ class Parity:
     def run(self, request: Request) -> list[Divergence]:
         """Every divergence between the paths for one request (one that
         cannot run, `Request.problem`, has none: the caller reports it)."""
+        return self.examine(request).divergences
+
+    def examine(self, request: Request) -> Examined:
+        """What each path answered for one request, and every divergence
+        between them."""
         if request.problem is not None:
-            return []
+            return Examined({}, [])
         findings: list[Divergence] = []
         seen_findings: set[tuple[Any, ...]] = set()
         observed: dict[tuple[str, str | None], Observed] = {}
@@ -459,7 +473,7 @@ class Parity:
                         request_id=request.request_id, ignore=self.ignore,
                         normalization=self.normalization, chunking=lchunk or rchunk,
                     )  # fmt: skip
-        return divergences + findings
+        return Examined(observed, divergences + findings)
 
     def _one_shot(self, engine: Derenderer, body: Any) -> Observed:
         answer = engine.post(self.endpoint, body)
