@@ -691,7 +691,7 @@ def run_parity(
             )  # fmt: skip
             for request, found in diverging:
                 for divergence in minimizer.kinds(found):
-                    minimal = minimizer.minimize(request, divergence)
+                    minimal = minimizer.minimize(request, divergence, found)
                     result.minimized.append(minimal)
                     if on_minimized is not None:
                         on_minimized(minimal)

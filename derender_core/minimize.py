@@ -5,7 +5,9 @@ For each request and each divergence kind it shows (``left vs right:
 field``), delta debugging shrinks the request's record while the oracle
 holds: the candidate record, read back as `derender parity` reads its input
 and run through the pair's paths only (`paths_for`), still shows a
-divergence of that kind. The steps, in order, each starting from what the
+divergence of that kind with the same kind of value on each side
+(`likeness`), and no stop-logic finding the record as given did not have
+(a record cut short of its stop token). The steps, in order, each starting from what the
 earlier ones kept:
 
 1. choices: with several, one choice alone (as index 0, ``n`` dropped);
@@ -414,6 +416,36 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._~-]", "_", text).strip(".") or "record"
 
 
+_ENUMERATED = frozenset({"role_frame", "finish_frame", "finish_reason", "object"})
+"""Fields whose values are a few words: a divergence keeps both."""
+
+
+def likeness(divergence: Divergence) -> tuple[Any, ...]:
+    """What a smaller record's divergence must share with the original's to
+    be the same one: its kind, and on each side the same kind of value
+    (null, text, number, list, object; for the few-word fields, the same
+    word). Without it the search drifts to another bug of the same kind,
+    as a one-shot `content: null` against streamed text turning into text
+    against a streamed null."""
+    if divergence.field in _ENUMERATED:
+        sides: tuple[Any, ...] = (repr(divergence.left_value), repr(divergence.right_value))
+    else:
+        sides = tuple(_value_kind(value) for value in (divergence.left_value, divergence.right_value))
+    return (divergence.kind, *sides)
+
+
+def _value_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "text"
+    return "list" if isinstance(value, list) else "object"
+
+
 def paths_for(divergence: Divergence, available: Sequence[str]) -> list[str]:
     """The paths a divergence's oracle runs: the pair's own; for a
     ``record`` finding, the path that found it; for ``record vs render``
@@ -456,8 +488,10 @@ class Minimizer:
             seen.setdefault((divergence.request_id, divergence.kind), divergence)
         return list(seen.values())
 
-    def minimize(self, request: Request, divergence: Divergence) -> Minimal:
-        """The smallest record of `request` that still shows `divergence`'s kind."""
+    def minimize(self, request: Request, divergence: Divergence, alike: Iterable[Divergence] = ()) -> Minimal:
+        """The smallest record of `request` that still shows `divergence`
+        (its kind, with values like its own or like those of the request's
+        other divergences of the kind, `alike`; `likeness`)."""
         started = time.perf_counter()
         original_id = request.request_id
         new_id = minimal_id(original_id, divergence)
@@ -468,7 +502,8 @@ class Minimizer:
             case = case_of(request, self.endpoint)
         except NotMinimizable as exc:
             return self._kept(request, divergence, new_id, given, before, started, str(exc), paths)
-        oracle = _Oracle(self._parity(paths, divergence), self.endpoint, self.chunkings, divergence.kind, new_id, self.steps)
+        likes = {likeness(d) for d in [divergence, *alike] if d.kind == divergence.kind}
+        oracle = _Oracle(self._parity(paths, divergence), self.endpoint, self.chunkings, likes, new_id, self.steps)
         search = _Search(oracle, self.renderer, self.endpoint, serve=bool(set(paths) & _SERVE_PATHS))
         # The search's candidates make vLLM's parsers log (a cut tool call)
         # and the serve path log stop-logic findings, many times over: the
@@ -499,7 +534,7 @@ class Minimizer:
         return Minimal(
             original_id, divergence, records, new_id, before, Size.of(records, self.endpoint), oracle.runs,
             time.perf_counter() - started, exhausted=oracle.exhausted, paths=paths,
-            found=[d for d in examined.divergences if d.kind == divergence.kind], observed=examined.observed,
+            found=[d for d in examined.divergences if likeness(d) in oracle.likes], observed=examined.observed,
             stream=best.stream, request=oracle.read_back(records),
         )  # fmt: skip
 
@@ -536,12 +571,13 @@ class _Oracle:
     once; past the budget, `_Exhausted`."""
 
     def __init__(
-        self, parity: Parity, endpoint: Endpoint, chunkings: list[Chunking], kind: str, request_id: str, steps: int
+        self, parity: Parity, endpoint: Endpoint, chunkings: list[Chunking], likes: set[tuple[Any, ...]],
+        request_id: str, steps: int,
     ) -> None:
         self.parity = parity
         self.endpoint = endpoint
         self.chunkings = chunkings
-        self.kind = kind
+        self.likes = likes
         self.request_id = request_id
         self.steps = steps
         self.runs = 0
@@ -569,7 +605,7 @@ class _Oracle:
         # A record that ends where vLLM would not stop (an id cut short of
         # its stop token) shows a divergence of its own: kept out, unless
         # the record as given showed one.
-        holds = any(d.kind == self.kind for d in examined.divergences) and (self.stop_logic or not stops)
+        holds = any(likeness(d) in self.likes for d in examined.divergences) and (self.stop_logic or not stops)
         self._seen[key] = holds
         return holds
 
@@ -728,7 +764,9 @@ class _Search:
 def _shortest(start: int, length: int, holds: Callable[[int], bool]) -> int:
     """The smallest k in [start, length] for which `holds(k)` is true
     (true at `length`, taken as known): tried from `start` up by doubling,
-    then bisected between the last that failed and the first that held."""
+    then bisected between the last that failed and the first that held.
+    When none held below `length`, the long candidates a bisection would
+    try are not: `length` it is."""
     failed = start - 1
     k = start
     while k < length:
@@ -736,7 +774,8 @@ def _shortest(start: int, length: int, holds: Callable[[int], bool]) -> int:
             break
         failed = k
         k = max(1, k * 2)
-    k = min(k, length)
+    if k >= length:
+        return length
     low, high = failed + 1, k
     while low < high:
         middle = (low + high) // 2
