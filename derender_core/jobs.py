@@ -53,8 +53,8 @@ from .records import (
     refuse_overwriting,
     standard_stream,
 )
-from .responses import read_items
 from .repro import prepare_repro, write_repro
+from .responses import read_items
 from .resume import (
     Manifest,
     ManifestKeeper,

@@ -7,12 +7,14 @@ holds: the candidate record, read back as `derender parity` reads its input
 and run through the pair's paths only (`paths_for`), still shows a
 divergence of that kind with the same kind of value on each side
 (`likeness`), and no stop-logic finding the record as given did not have
-(a record cut short of its stop token). The steps, in order, each starting from what the
+(a record cut short of its stop token, say). The steps, in order, each starting from what the
 earlier ones kept:
 
 1. choices: with several, one choice alone (as index 0, ``n`` dropped);
 2. output ids: the shortest prefix (tried from one id up by doubling, then
-   bisected), then single ids removed (`ddmin`);
+   bisected), then single ids removed (`ddmin`); a one-choice request's
+   ``max_tokens`` shrinks with them, keeping its distance to the output's
+   length;
 3. chunking (stream input): chunk boundaries removed, that is chunks merged;
 4. request: fields dropped (``tools`` with ``tool_choice``, ``logprobs``
    with ``top_logprobs`` and the output's logprobs, then each other field
@@ -46,8 +48,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Iterator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -55,7 +56,16 @@ import orjson
 
 from .compare import DEFAULT_NORMALIZATION, Divergence, Normalization, Observed
 from .logs import collected_vllm_logs
-from .parity import DERENDER_MODES, PATHS, Chunking, Examined, Parity, Request, one_response, requests_of
+from .parity import (
+    DERENDER_MODES,
+    PATHS,
+    Chunking,
+    Examined,
+    Parity,
+    Request,
+    one_response,
+    requests_of,
+)
 from .prompts import PromptRenderer, rendered_token_ids
 from .protocol import Derenderer, Endpoint
 from .records import Record
@@ -67,6 +77,7 @@ _KEPT_FIELDS = frozenset({"model", "messages", "prompt", "stream", "stream_optio
 and the stream options its usage chunk follows."""
 _DROPPED_TOGETHER = (("tools", "tool_choice"), ("logprobs", "top_logprobs"))
 _SERVE_PATHS = frozenset({"serve", "serve-oneshot"})
+_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 
 SERVE_LOGGER = "derender.serve"
 """The serve path's logger, which reports stop-logic findings."""
@@ -429,6 +440,10 @@ def likeness(divergence: Divergence) -> tuple[Any, ...]:
     against a streamed null."""
     if divergence.field in _ENUMERATED:
         sides: tuple[Any, ...] = (repr(divergence.left_value), repr(divergence.right_value))
+    elif divergence.field == "stop_logic":
+        # "not finished at token 30" / "length at token 30": the same
+        # disagreement at any token.
+        sides = tuple(re.sub(r"\d+", "N", str(value)) for value in (divergence.left_value, divergence.right_value))
     else:
         sides = tuple(_value_kind(value) for value in (divergence.left_value, divergence.right_value))
     return (divergence.kind, *sides)
@@ -582,8 +597,8 @@ class _Oracle:
         self.steps = steps
         self.runs = 0
         self.exhausted = False
-        self.stop_logic: bool | None = None
-        """Whether the record as given has a stop-logic finding."""
+        self.stop_logic: set[tuple[Any, ...]] | None = None
+        """The record as given's stop-logic findings (`likeness`)."""
         self._seen: dict[bytes, bool] = {}
 
     def __call__(self, case: Case) -> bool:
@@ -599,13 +614,13 @@ class _Oracle:
         # streams it has seen, and the record's own id is kept for the
         # final run (`Minimizer.minimize`).
         examined = self.examine(case.records(f"{self.request_id}~run{self.runs}"))
-        stops = any(d.field == "stop_logic" for d in examined.divergences)
+        stops = {likeness(d) for d in examined.divergences if d.field == "stop_logic"}
         if self.stop_logic is None:  # the first run: the record as given
             self.stop_logic = stops
-        # A record that ends where vLLM would not stop (an id cut short of
-        # its stop token) shows a divergence of its own: kept out, unless
-        # the record as given showed one.
-        holds = any(likeness(d) in self.likes for d in examined.divergences) and (self.stop_logic or not stops)
+        # A record that ends where vLLM would not stop (cut short of its
+        # stop token, say) shows a divergence of its own: kept out, unless
+        # the record as given showed the same.
+        holds = any(likeness(d) in self.likes for d in examined.divergences) and stops <= self.stop_logic
         self._seen[key] = holds
         return holds
 
@@ -667,13 +682,31 @@ class _Search:
         choices[position] = choice
         return dataclasses.replace(self.current, choices=tuple(choices))
 
+    def _cut(self, position: int, choice: Choice, kept: Sequence[int]) -> Case:
+        """The case with only the `kept` ids of `choice`; a request of one
+        choice with a token limit keeps its distance to the output's length
+        (a record cut at ``max_tokens`` stays cut there, one that ran past
+        it runs as far past), where the limit stays positive."""
+        case = self._with_choice(position, choice.keeping(kept))
+        request = case.request
+        if request is None or len(case.choices) != 1:
+            return case
+        limits = {}
+        for name in _TOKEN_LIMITS:
+            limit = request.get(name)
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                shorter = limit - (len(choice.token_ids) - len(kept))
+                if shorter >= 1:
+                    limits[name] = shorter
+        return dataclasses.replace(case, request={**request, **limits}) if limits else case
+
     def output_ids(self, position: int) -> None:
         choice = self.current.choices[position]
         length = len(choice.token_ids)
-        _shortest(0, length, lambda k: self.test(self._with_choice(position, choice.keeping(range(k)))))
+        _shortest(0, length, lambda k: self.test(self._cut(position, choice, range(k))))
         choice = self.current.choices[position]
         positions = list(range(len(choice.token_ids)))
-        ddmin(positions, lambda kept: self.test(self._with_choice(position, choice.keeping(kept))))
+        ddmin(positions, lambda kept: self.test(self._cut(position, choice, kept)))
 
     def merge_chunks(self, position: int) -> None:
         choice = self.current.choices[position]

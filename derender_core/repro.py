@@ -101,7 +101,7 @@ def write_repro(
             script.write_text(repro_script(minimal, config, endpoint), encoding="utf-8")
             script.chmod(0o755)
         report = base.with_suffix(".md")
-        report.write_text(markdown(minimal, config, endpoint, flags, versions, base.name, script), encoding="utf-8")
+        report.write_text(markdown(minimal, config, endpoint, flags, versions, base.name, script, str(base.with_suffix(".jsonl"))), encoding="utf-8")
         written.append(report)
     return written
 
@@ -151,11 +151,12 @@ def markdown(
     versions: Mapping[str, str],
     name: str,
     script: Path | None,
+    record_path: str,
 ) -> str:
     divergence = minimal.found[0] if minimal.found else minimal.divergence
     left, right = divergence.left, divergence.right
     server = shlex.join(["vllm", "launch", "render", *config.to_vllm_argv()])
-    rerun = shlex.join(["derender", "parity", f"{name}.jsonl", *config.to_vllm_argv(repeated=True), *flags])
+    rerun = shlex.join(["derender", "parity", record_path, *config.to_vllm_argv(repeated=True), *flags])
     lines = [
         f"# {divergence.kind} (`{minimal.request_id}`)",
         "",
@@ -169,7 +170,7 @@ def markdown(
         "",
         f"- derender {versions.get('derender', 'unknown')}, vLLM {versions.get('vllm', 'unknown')}",
         f"- render server: `{server}`",
-        f"- found by: `{rerun}`",
+        f"- derender finds it again with: `{rerun}`",
         "",
         "## The minimal record",
         "",
