@@ -41,7 +41,7 @@ ONE_SHOT_PATHS = ("oneshot", "reference")
 STREAM_PATHS = ("replay", "live")
 SERVE_PATHS = ("serve", "serve-oneshot")
 PATH_WORDS = {
-    "oneshot": "derender's one-shot derender endpoint (its fast decode)",
+    "oneshot": "the one-shot derender endpoint on derender's fast decode",
     "reference": "the one-shot derender endpoint on vLLM's own per-token decode",
     "replay": "the streaming derender endpoint, vLLM's own per-call replay, assembled",
     "live": "derender's live streaming derender (parser state kept between calls), assembled",
