@@ -36,6 +36,7 @@ from derender_core import (
     read_items,
 )
 from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_parity
+from derender_core.minimize import DEFAULT_STEPS, Minimal
 from derender_core.parity import PATHS, Chunking
 from derender_core.responses import ACTUAL, EXPECTED, diff_examinations
 
@@ -50,7 +51,7 @@ from .options import (
     render_config,
 )
 from .progress import ProgressDisplay, print_outcome
-from .report import Findings, print_table, write_page, write_report
+from .report import Findings, print_minimal, print_minimized, print_table, write_page, write_report
 
 app = typer.Typer(
     name="derender",
@@ -361,6 +362,9 @@ def parity(
     requests: opt.RequestsOpt = None,
     stream: opt.StreamInputOpt = False,
     recorded: opt.FromServeOpt = None,
+    minimize: opt.MinimizeOpt = None,
+    minimize_steps: opt.MinimizeStepsOpt = DEFAULT_STEPS,
+    repro: opt.ReproOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -379,7 +383,7 @@ def parity(
         input_path, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
-        examine=comparison.html is not None,
+        examine=comparison.html is not None, minimize=minimize, minimize_steps=minimize_steps, repro=repro,
     )  # fmt: skip
     with comparison.output(console, f"derender parity: {recorded or input_path}") as found:
 
@@ -387,7 +391,11 @@ def parity(
             console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
             found.skipped.append((str(request.request_id), str(request.problem)))
 
-        result = run_parity(config, spec, skipped, warm=warm_engines)
+        def minimized(minimal: Minimal) -> None:
+            if not comparison.quiet:
+                print_minimal(console, minimal)
+
+        result = run_parity(config, spec, skipped, warm=warm_engines, on_minimized=minimized)
         found.divergences += result.divergences
         found.examinations, found.pieces = result.examinations, result.pieces
         summary = (
@@ -397,6 +405,8 @@ def parity(
         found.subtitle = summary + ("" if stream or recorded else f"; chunking {', '.join(c.name for c in spec.chunkings)}")
     if not comparison.quiet:
         console.print(f"derender: parity: {summary}", markup=False)
+        if spec.minimizing:
+            print_minimized(console, result.minimized, spec.minimize, spec.repro)
     return ExitStatus.RECORDS_FAILED if found.divergences or result.not_compared else ExitStatus.OK
 
 

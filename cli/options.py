@@ -411,6 +411,37 @@ FromServeOpt = Annotated[
     ),
 ]
 
+MinimizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--minimize",
+        metavar="FILE",
+        help="Then shrink each request's record, per divergence kind, to a smallest one that still "
+        "shows it (output ids, chunks, request fields, prompt ids), and write those records to FILE "
+        "in the input's form, each under its request id and ~<left>-<right>-<field>: "
+        "`derender parity FILE` with the same flags finds them again.",
+    ),
+]
+MinimizeStepsOpt = Annotated[
+    int,
+    typer.Option(
+        "--minimize-steps",
+        min=1,
+        metavar="N",
+        help="Parity runs each divergence's minimization may spend (the search stops with what it has).",
+    ),
+]
+ReproOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--repro",
+        metavar="DIR",
+        help="Per minimal divergence, a Markdown report for a vLLM issue in DIR (versions, flags, the "
+        "record, each path's answer with the divergent part marked) and, where the one-shot and "
+        "streaming derender endpoints disagree, a script that reproduces it on `vllm launch render`.",
+    ),
+]
+
 COMPARE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "ignore": (IgnoreOpt, None),
     "report": (ReportOpt, None),

@@ -14,6 +14,7 @@ from rich.text import Text
 from derender_core import Divergence
 from derender_core.compare import Examination
 from derender_core.html_report import build_page
+from derender_core.minimize import Minimal
 from derender_core.records import open_output
 
 VALUE_WIDTH = 60
@@ -94,3 +95,29 @@ def _short(value: Any) -> str:
     text = value if isinstance(value, str) else orjson.dumps(value).decode()
     text = repr(text) if isinstance(value, str) else text
     return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 1] + "…"
+
+
+def print_minimal(console: Console, minimal: Minimal) -> None:
+    """One line per minimized divergence: how far its record shrank."""
+    before, after = minimal.before, minimal.after
+    if minimal.problem is not None:
+        shrunk = f"kept as given: {minimal.problem}"
+    else:
+        shrunk = (
+            f"output ids {before.output_ids}→{after.output_ids}, calls {before.calls}→{after.calls}, "
+            f"request {before.request_bytes}→{after.request_bytes} bytes, prompt ids {before.prompt_ids}→{after.prompt_ids}"
+            f" ({minimal.runs} runs, {minimal.seconds:.1f} s{', step budget spent' if minimal.exhausted else ''})"
+        )
+    console.print(f"derender: minimize: {minimal.request_id}: {minimal.kind}: {shrunk}", markup=False)
+
+
+def print_minimized(console: Console, minimized: list[Minimal], path: str | None, repro: str | None) -> None:
+    """Where the minimal records and reports went."""
+    seconds = sum(minimal.seconds for minimal in minimized)
+    where = [f"written to {path}"] if path is not None else []
+    where += [f"reports in {repro}"] if repro is not None else []
+    console.print(
+        f"derender: minimize: {len(minimized)} minimal records in {seconds:.1f} s"
+        + (f", {'; '.join(where)}" if where else ""),
+        markup=False,
+    )

@@ -122,15 +122,17 @@ class RenderConfig:
                 dirs[role] = _local_dir(f"--{role}", value, revision)
         return dirs
 
-    def to_vllm_argv(self) -> list[str]:
-        """The same settings as `vllm launch render` command-line arguments."""
+    def to_vllm_argv(self, *, repeated: bool = False) -> list[str]:
+        """The same settings as `vllm launch render` command-line arguments;
+        with `repeated`, a list as its flag once per value, as derender's
+        own command line takes it."""
         argv: list[str] = []
         for name, value in self.given().items():
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):
                 argv.append(flag)
             elif isinstance(value, tuple):
-                argv += [flag, *value]
+                argv += [part for item in value for part in (flag, item)] if repeated else [flag, *value]
             elif isinstance(value, Mapping):
                 argv += [flag, json.dumps(dict(value))]
             else:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import orjson
+
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
 from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization
 from .config import RenderConfig
@@ -40,6 +42,7 @@ from .datasets import (
 )
 from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
+from .minimize import DEFAULT_STEPS, Minimal, Minimizer
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
 from .records import (
@@ -50,6 +53,7 @@ from .records import (
     refuse_overwriting,
     standard_stream,
 )
+from .repro import prepare_repro, write_repro
 from .responses import read_items
 from .resume import (
     Manifest,
@@ -595,10 +599,27 @@ class ParitySpec:
     """Keep each request's `Examination` (what every path answered) and the
     pieces of its token ids, for a page that shows them; without it memory
     stays flat."""
+    minimize: str | None = None
+    """Write each divergence's smallest record here (`minimize`), in the
+    input's form."""
+    minimize_steps: int = DEFAULT_STEPS
+    """Oracle runs per divergence the minimization may spend."""
+    repro: str | None = None
+    """Write a report per minimal divergence into this directory (`repro`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", parity_paths(self.paths))
         object.__setattr__(self, "endpoint", _checked_endpoint(self.endpoint))
+        if (self.minimize is not None or self.repro is not None) and self.recorded is not None:
+            raise InputError("--minimize and --repro take derender bodies, not recorded serve answers (--from-serve)")
+        if self.minimize == "-":
+            raise InputError("--minimize needs a file path: stdout is not used by parity")
+        if isinstance(self.minimize_steps, bool) or not isinstance(self.minimize_steps, int) or self.minimize_steps < 1:
+            raise ConfigError(f"--minimize-steps must be a whole number of at least 1, got {self.minimize_steps!r}")
+
+    @property
+    def minimizing(self) -> bool:
+        return self.minimize is not None or self.repro is not None
 
 
 @dataclass
@@ -610,6 +631,8 @@ class ParityResult:
     """With `ParitySpec.examine`: every compared request's examination, in order."""
     pieces: dict[int, str] = field(default_factory=dict)
     """With `ParitySpec.examine`: each token id's piece in the tokenizer's vocabulary."""
+    minimized: list[Minimal] = field(default_factory=list)
+    """With `ParitySpec.minimize` or `repro`: each request's smallest record per divergence kind."""
 
 
 def parity_paths(names: Iterable[str]) -> list[str]:
@@ -629,10 +652,20 @@ def run_parity(
     on_skip: Callable[[Request], None] | None = None,
     *,
     warm: WarmEngines | None = None,
+    on_minimized: Callable[[Minimal], None] | None = None,
 ) -> ParityResult:
     """Every request of the input through every path, compared. `on_skip`
-    hears of each request that cannot be compared (and why)."""
+    hears of each request that cannot be compared (and why). With
+    `spec.minimize` or `spec.repro`, each request's divergences are then
+    minimized kind by kind (`on_minimized` hears of each), and written."""
     result = ParityResult()
+    if spec.minimizing:
+        refuse_overwriting(
+            [("INPUT", spec.input), ("--requests", spec.requests)], [("--minimize", spec.minimize)]
+        )  # fmt: skip
+        if spec.repro is not None:
+            prepare_repro(spec.repro)
+    diverging: list[tuple[Request, list[Divergence]]] = []
     with contextlib.ExitStack() as resources:
         engines = _parity_engines(config, spec.paths, resources, warm)
         checker = Parity(engines, spec.endpoint, ignore=spec.ignore, normalization=spec.normalization)
@@ -656,15 +689,60 @@ def run_parity(
                 if on_skip is not None:
                     on_skip(request)
                 continue
-            if not spec.examine:
-                result.divergences += checker.run(request)
-                continue
-            examination = checker.examine(request)
-            result.divergences += examination.divergences
-            result.examinations.append(examination)
-            if pieces_of is not None:
-                result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
+            if spec.examine:
+                examination = checker.examine(request)
+                found = examination.divergences
+                result.examinations.append(examination)
+                if pieces_of is not None:
+                    result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
+            else:
+                found = checker.run(request)
+            result.divergences += found
+            if found and spec.minimizing:
+                diverging.append((request, found))
+        if spec.minimizing:
+            minimizer = Minimizer(
+                engines, spec.endpoint, chunkings=spec.chunkings, ignore=spec.ignore,
+                normalization=spec.normalization, steps=spec.minimize_steps,
+            )  # fmt: skip
+            for request, found in diverging:
+                for divergence in minimizer.kinds(found):
+                    minimal = minimizer.minimize(request, divergence, found)
+                    result.minimized.append(minimal)
+                    if on_minimized is not None:
+                        on_minimized(minimal)
+    if spec.minimize is not None:
+        write_minimal(spec.minimize, result.minimized)
+    if spec.repro is not None:
+        write_repro(spec.repro, result.minimized, config, spec.endpoint, parity_flags(spec))
     return result
+
+
+def parity_flags(spec: ParitySpec) -> list[str]:
+    """The `derender parity` flags (besides the render settings) that shape
+    what a run of `spec` finds, for the command a report shows."""
+    flags: list[str] = []
+    if spec.endpoint is not Endpoint.CHAT:
+        flags += ["--endpoint", spec.endpoint.value]
+    if list(spec.paths) != list(PATHS):
+        flags += ["--paths", ",".join(spec.paths)]
+    if [c.name for c in spec.chunkings] != ["1"]:
+        flags += ["--chunking", ",".join(c.name for c in spec.chunkings)]
+    for name in spec.ignore:
+        flags += ["--ignore", name]
+    normalization = spec.normalization
+    flags += [] if normalization.created else ["--compare-created"]
+    flags += [] if normalization.random_ids else ["--compare-ids"]
+    flags += [] if normalization.null_is_absent else ["--null-is-not-absent"]
+    return flags
+
+
+def write_minimal(path: str, minimized: Iterable[Minimal]) -> None:
+    """The minimal records, one JSON record a line, in the input's form."""
+    with open_output(path) as sink:
+        for minimal in minimized:
+            for record in minimal.records:
+                sink.write(orjson.dumps(record) + b"\n")
 
 
 def _new_ids(examination: Examination, known: Mapping[int, str]) -> set[int]:

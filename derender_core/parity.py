@@ -123,7 +123,7 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
     """A one-shot body as the streaming calls a client makes for the same
     tokens: choices interleaved one chunk at a time, as the engine emits
     them, then the usage chunk. The request streams with usage."""
-    response, prompt_tokens, prompt_ids = _one_response(body, endpoint)
+    response, prompt_tokens, prompt_ids = one_response(body, endpoint)
     request = body.get(endpoint.request_key)
     stream_request = None if request is None else {**request, "stream": True, "stream_options": {"include_usage": True}}
     per_choice: list[list[dict[str, Any]]] = []
@@ -175,7 +175,7 @@ def stream_bodies(body: Mapping[str, Any], endpoint: Endpoint, chunking: Chunkin
     ]
 
 
-def _one_response(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[Mapping[str, Any], Any, Any]:
+def one_response(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[Mapping[str, Any], Any, Any]:
     """The generate response of a one-shot body, its prompt length and ids."""
     if endpoint is Endpoint.CHAT:
         response = body.get("generate_response")
@@ -268,7 +268,7 @@ def requests_of(
 
 def _one_shot_request(body: Mapping[str, Any], endpoint: Endpoint, chunkings: list[Chunking]) -> Request:
     try:
-        response, _, _ = _one_response(body, endpoint)
+        response, _, _ = one_response(body, endpoint)
         request = Request(str(response.get("request_id")), one_shot=body)
         request.streams = [(c.name, stream_bodies(body, endpoint, c)) for c in chunkings]
     except (RecordError, TypeError, AttributeError) as exc:
@@ -480,7 +480,7 @@ class Parity:
 
     def _one_shot_token_ids(self, body: Any) -> dict[int, list[int]]:
         try:
-            response, _, _ = _one_response(body, self.endpoint)
+            response, _, _ = one_response(body, self.endpoint)
         except (RecordError, AttributeError):
             return {}
         return _choice_ids(response.get("choices"))
