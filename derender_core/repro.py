@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Iterable, Mapping
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from .errors import InputError
 from .minimize import Minimal, safe_name
 from .parity import RECORD
 from .protocol import Endpoint
+from .resume import installed_versions
 from .streams import ChunkFacts
 
 ONE_SHOT_PATHS = ("oneshot", "reference")
@@ -50,17 +50,6 @@ PATH_WORDS = {
     "record": "the record itself",
     "render": "the render endpoint's prompt for the record's request",
 }
-
-
-def installed_versions() -> dict[str, str]:
-    """The installed derender and vLLM versions."""
-    found = {}
-    for name in ("derender", "vllm"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "unknown"
-    return found
 
 
 def prepare_repro(directory: str) -> None:

@@ -222,6 +222,20 @@ def _shown(value: Any) -> str:
     return "not set" if value is None else json.dumps(value)
 
 
+def installed_versions() -> dict[str, str]:
+    """The installed derender and vLLM versions: what a manifest records and
+    a bug report states."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("derender", "vllm"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "unknown"
+    return found
+
+
 def run_manifest(
     config: RenderConfig,
     input_path: str,
@@ -235,14 +249,7 @@ def run_manifest(
 ) -> Manifest:
     """The manifest a run of these settings over `input_path` writes, before
     it has answered anything."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for name in ("derender", "vllm"):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "unknown"
+    versions = installed_versions()
     render = {}
     for name, value in dataclasses.asdict(config).items():
         if name in _PATH_SETTINGS and isinstance(value, str) and os.path.exists(value):
