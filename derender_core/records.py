@@ -303,20 +303,15 @@ def _is_sse_framing(text: bytes) -> bool:
     return text.startswith(_SSE_FRAMING)
 
 
-def parse_line(
-    line: bytes, *, sse: bool = False, keep_blank: bool = False
-) -> tuple[Any, JsonProblem | None] | None:
-    """Parse one input line; None when the line is not a record.
+def record_body(line: bytes, *, sse: bool = False, keep_blank: bool = False) -> bytes | None:
+    """The JSON text of one input line, or None when the line is not a
+    record; told without parsing it (`numbered_lines` counts records by it).
 
     In an SSE capture (`sse`), ``data:`` lines carry the records and other
     fields and comments are not records; elsewhere every line that is not
     blank is a record, JSON or not. With `keep_blank` a blank line is
     parsed too (a record that is not JSON), for inputs where every line or
     row is a record.
-
-    Returns:
-        The JSON payload and None, or None and the reason it is not JSON.
-
     """
     body = line.rstrip(b"\r\n")
     text = body.strip()
@@ -330,6 +325,22 @@ def parse_line(
                 return None
         elif _is_sse_framing(text):
             return None
+    return body
+
+
+def parse_line(
+    line: bytes, *, sse: bool = False, keep_blank: bool = False
+) -> tuple[Any, JsonProblem | None] | None:
+    """Parse one input line; None when the line is not a record
+    (`record_body`).
+
+    Returns:
+        The JSON payload and None, or None and the reason it is not JSON.
+
+    """
+    body = record_body(line, sse=sse, keep_blank=keep_blank)
+    if body is None:
+        return None
     # orjson turns integers beyond 64 bits into floats; Python's json, the
     # server's parser, keeps them exact, so such lines go to it.
     if body.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0:
@@ -397,7 +408,7 @@ def numbered_lines(
         if trail is not None:
             trail.update(line)
             digest = trail.digest()
-        if parse_line(line, sse=sse) is None:
+        if record_body(line, sse=sse) is None:
             if not sse:
                 waiting.append((line_number, line, digest))
             continue

@@ -31,6 +31,7 @@ that overrides the decode methods) gets no table, and vLLM's own functions run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -153,7 +154,16 @@ class TokenTable:
 
     def pieces(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[str]:
         """The pieces ``detokenize_incrementally`` appends for these ids, in
-        one list."""
+        one list.
+
+        The usual output (every id in range, no special token to skip) is
+        looked up in one batched pass over the remembered pieces; anything
+        else, or an id not looked up before, takes the per-id steps
+        (`_steps`), which also remember the new ids' pieces."""
+        if token_ids and min(token_ids) >= 0 and max(token_ids) < self.size:
+            if not (skip_special_tokens and not self.special_ids.isdisjoint(token_ids)):
+                with contextlib.suppress(KeyError):
+                    return list(map(self._pieces.__getitem__, token_ids))
         return [piece for step in self._steps(token_ids, skip_special_tokens) for piece in step]
 
     def detokenize_delta(

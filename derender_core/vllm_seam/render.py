@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import gc
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -71,8 +73,10 @@ class DerenderEngine(CodeAPI):
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderChatRequest,
             DerenderChatRequestUnion,
             DerenderChatStreamRequest,
+            DerenderCompletionRequest,
             DerenderCompletionRequestUnion,
             DerenderCompletionStreamRequest,
         )
@@ -99,6 +103,12 @@ class DerenderEngine(CodeAPI):
         self._bodies: dict[Endpoint, TypeAdapter[Any]] = {
             Endpoint.CHAT: _body_adapter(DerenderChatRequestUnion),
             Endpoint.COMPLETION: _body_adapter(DerenderCompletionRequestUnion),
+        }
+        # A body that is not a stream call succeeds only as the union's
+        # one-shot member (`_validated`).
+        self._one_shot_bodies: dict[Endpoint, tuple[frozenset[str], TypeAdapter[Any]]] = {
+            endpoint: (frozenset(member.model_fields), _body_adapter(member))
+            for endpoint, member in ((Endpoint.CHAT, DerenderChatRequest), (Endpoint.COMPLETION, DerenderCompletionRequest))
         }
         # A body known to be a stream call succeeds only as the union's
         # streaming member, so live mode validates it against that alone.
@@ -235,7 +245,7 @@ class DerenderEngine(CodeAPI):
                 # one the caller sent.
                 checked = {**checked, endpoint.request_key: copy.deepcopy(body[endpoint.request_key])}
             try:
-                request = self._bodies[endpoint].validate_python(checked, from_attributes=True)
+                request = self._validated(endpoint, checked)
             except ValidationError as exc:
                 # FastAPI reports body errors under a leading "body" location.
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
@@ -248,6 +258,41 @@ class DerenderEngine(CodeAPI):
             return self._run(self._dispatch(endpoint, request))
         except Exception as exc:  # the app's catch-all handlers, in order
             return self.internal_error(exc)
+
+    def _validated(self, endpoint: Endpoint, body: Any) -> Any:
+        """The body validated as FastAPI validates it, against the union of
+        the one-shot and the streaming request.
+
+        Pydantic's smart union validates a body against every member (the
+        request inside it twice) and keeps the one that succeeds. A body
+        whose ``stream`` is absent or False cannot succeed as the streaming
+        member (``stream: Literal[True]``, required), so where the one-shot
+        member alone accepts it, that is the union's result, and it is
+        taken without the second pass. The body must hold only the one-shot
+        member's fields: the streaming member reads those with the same
+        request class or as plain ints and lists, so its pass can fail only
+        with a ValidationError, never with an exception that would make the
+        union's answer a 500. Anything else (a failure, a body of
+        another shape) is validated against the whole union, which words
+        the errors as today; vLLM's validators only fill defaults into the
+        body, the same ones again on a second pass. The second pass also
+        logs the validators' debug lines a second time, so while the
+        validators' loggers show debug lines (and in ``--decode
+        reference``) every body takes the whole union.
+        """
+        fields, one_shot = self._one_shot_bodies[endpoint]
+        if (
+            self.decode == "fast"
+            and type(body) is dict
+            and body.get("stream", False) is False
+            and body.keys() <= fields
+            and not any(logger.isEnabledFor(logging.DEBUG) for logger in _validation_loggers())
+        ):
+            try:
+                return one_shot.validate_python(body, from_attributes=True)
+            except Exception:  # noqa: BLE001 - the union answers it, as today
+                pass
+        return self._bodies[endpoint].validate_python(body, from_attributes=True)
 
     def _known_stream_request(self, endpoint: Endpoint, body: Any) -> Any:
         """A streaming body whose request and prompt are those of an earlier
@@ -528,6 +573,21 @@ _HANDLER_REQUEST: Any = SimpleNamespace(
     app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))),
     state=SimpleNamespace(),
 )
+
+
+@functools.cache
+def _validation_loggers() -> tuple[logging.Logger, ...]:
+    """The loggers of the modules whose request models validate a derender
+    body (their validators log at debug level), and vLLM's own above them."""
+    names = (
+        "vllm",
+        "vllm.entrypoints.serve.engine.protocol",
+        "vllm.entrypoints.openai.chat_completion.protocol",
+        "vllm.entrypoints.openai.completion.protocol",
+        "vllm.entrypoints.generate.base.protocol",
+        "vllm.entrypoints.scale_out.token_in_token_out.protocol",
+    )
+    return tuple(logging.getLogger(name) for name in names)
 
 
 def _body_adapter(union: Any) -> TypeAdapter[Any]:

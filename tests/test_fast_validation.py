@@ -1,0 +1,189 @@
+"""The one-shot body validation (`DerenderEngine._validated`) against the
+full validation FastAPI does (the TypeAdapter over vLLM's request union):
+the same validated request, the same body left behind, the same answer
+bytes (200s and 400s) and the same vLLM log lines, over drawn bodies
+(extra fields, wrong types, edge values, stream flags, tools, logprobs,
+n>1) on the sample's real tokenizer."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from derender_core import DerenderEngine, Endpoint
+from derender_core.logs import collected_vllm_logs
+from derender_core.protocol import Answer
+from tests.conftest import sample_config
+from tests.helpers import normalize
+from tests.sample_inputs import (
+    SampleBuilder,
+    chat_bodies,
+    chat_error_bodies,
+    completion_bodies,
+    qwen3_family,
+)
+
+EXTRA_KEYS = ["foo", "guided_json", "generate_chunk", "stream_state", "kv_transfer_params", "stream"]
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3) | st.sampled_from([2**63, 2**70, 151_000, 10**6]),
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.text(max_size=4),
+    st.lists(st.integers(-2, 200), max_size=4),
+    st.dictionaries(st.sampled_from(["a", "type", "prompt_token_ids"]), st.integers(0, 3) | st.text(max_size=2), max_size=2),
+)
+STREAM_FLAGS = st.sampled_from(["absent", False, True, 0, None, "false"])
+
+
+@pytest.fixture(scope="module")
+def sample() -> Iterator[tuple[DerenderEngine, DerenderEngine, list[tuple[Endpoint, dict[str, Any]]]]]:
+    """The sample's engine, the same engine with every body validated
+    against the whole union, and the corpus of bodies to vary."""
+    config = sample_config()
+    engine = DerenderEngine.build(config)
+    full = copy.copy(engine)
+    full._validated = lambda endpoint, body: full._bodies[endpoint].validate_python(body, from_attributes=True)  # type: ignore[method-assign]
+    b = SampleBuilder(qwen3_family(Path(config.model or "")))
+    corpus = [(Endpoint.CHAT, body) for body in (*chat_bodies(b), *chat_error_bodies(b))]
+    corpus += [(Endpoint.COMPLETION, body) for body in completion_bodies(b)]
+    yield engine, full, corpus
+    engine.close()
+
+
+def _containers(body: Any, endpoint: Endpoint) -> list[Any]:
+    """The dicts of a body a mutation may touch: the body, its request,
+    the generate response and its first choice."""
+    found = [body]
+    if not isinstance(body, dict):
+        return found
+    found.append(body.get(endpoint.request_key))
+    response = body.get("generate_response")
+    if response is None and isinstance(body.get("generate_responses"), list) and body["generate_responses"]:
+        response = body["generate_responses"][0]
+    found.append(response)
+    if isinstance(response, dict) and isinstance(response.get("choices"), list) and response["choices"]:
+        found.append(response["choices"][0])
+    return [c for c in found if isinstance(c, dict)]
+
+
+def _drawn_body(data: Any, corpus: list[tuple[Endpoint, dict[str, Any]]]) -> tuple[Endpoint, dict[str, Any]]:
+    endpoint, base = data.draw(st.sampled_from(corpus), label="base body")
+    body = copy.deepcopy(base)
+    flag = data.draw(STREAM_FLAGS, label="stream")
+    if flag == "absent":
+        body.pop("stream", None)
+    else:
+        body["stream"] = flag
+    for _ in range(data.draw(st.integers(0, 3), label="mutations")):
+        container = data.draw(st.sampled_from(_containers(body, endpoint)))
+        key = data.draw(st.sampled_from(sorted(container) + EXTRA_KEYS), label="key")
+        if data.draw(st.booleans(), label="delete") and key in container:
+            del container[key]
+        else:
+            container[key] = data.draw(VALUES, label=f"value of {key}")
+    return endpoint, body
+
+
+def _outcome(validate: Any, body: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+    """What validating `body` gives: the request's dump (its random
+    request id blanked), or the error; and the body it leaves behind."""
+    try:
+        request = validate(body)
+    except Exception as exc:  # noqa: BLE001 - compared, not hidden
+        errors = exc.errors(include_url=False) if hasattr(exc, "errors") else str(exc)
+        return type(exc).__name__, repr(errors), body
+    return type(request).__name__, _blank_request_ids(request.model_dump()), body
+
+
+def _blank_request_ids(value: Any) -> Any:
+    """A request id left out is drawn at random: blanked everywhere."""
+    if isinstance(value, dict):
+        return {k: None if k == "request_id" else _blank_request_ids(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blank_request_ids(v) for v in value]
+    return value
+
+
+def _answer(engine: DerenderEngine, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Any, list[Any]]:
+    import vllm.logger
+
+    vllm.logger._print_warning_once.cache_clear()
+    with collected_vllm_logs(verbose=False) as logs:
+        answer: Answer = engine.post(endpoint, body)
+    shown: Any = answer.raw
+    if answer.ok:
+        shown = normalize({**answer.body, "id": None})
+    return (answer.status, shown), [line.key for line in logs]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_the_one_shot_validation_is_the_unions(sample: Any, data: Any) -> None:
+    engine, _, corpus = sample
+    endpoint, body = _drawn_body(data, corpus)
+    fast = _outcome(lambda b: engine._validated(endpoint, b), copy.deepcopy(body))
+    full = _outcome(lambda b: engine._bodies[endpoint].validate_python(b, from_attributes=True), copy.deepcopy(body))
+    event(f"{endpoint.value}: {fast[0]}")
+    assert fast == full
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_answers_and_logs_are_the_full_validations(sample: Any, data: Any) -> None:
+    engine, full, corpus = sample
+    endpoint, body = _drawn_body(data, corpus)
+    assert _answer(engine, endpoint, copy.deepcopy(body)) == _answer(full, endpoint, copy.deepcopy(body))
+
+
+def test_the_corpus_takes_the_one_shot_member(sample: Any) -> None:
+    """The fast path is taken: a good one-shot body validates once, as the
+    one-shot member alone, not as the union (which validates the request
+    inside it twice)."""
+    engine, _, corpus = sample
+    seen = []
+    for endpoint, body in corpus[:3]:
+        _, member = engine._one_shot_bodies[endpoint]
+        calls: list[Any] = []
+        original = member.validate_python
+        member.validate_python = _counted(original, calls)  # type: ignore[method-assign]
+        try:
+            assert engine.post(endpoint, copy.deepcopy(body)).ok
+        finally:
+            member.validate_python = original  # type: ignore[method-assign]
+        seen.append(len(calls))
+    assert seen == [1, 1, 1]
+
+
+def _counted(validate: Any, calls: list[Any]) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return validate(*args, **kwargs)
+
+    return counted
+
+
+def test_debug_logging_takes_the_union(sample: Any) -> None:
+    """With vLLM's validators logging at debug level, the union's second
+    pass logs its lines too, so every body takes the union."""
+    engine, full, corpus = sample
+    endpoint, body = corpus[0]
+    body = {**copy.deepcopy(body), "foo": 1}
+    body[endpoint.request_key] = {**body[endpoint.request_key], "bar": 2}
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.DEBUG)
+    try:
+        fast = _answer(engine, endpoint, copy.deepcopy(body))
+        union = _answer(full, endpoint, copy.deepcopy(body))
+    finally:
+        vllm_logger.setLevel(level)
+    assert fast == union
+    assert len(fast[1]) >= 2  # the extra field is logged by each member's pass
