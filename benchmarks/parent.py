@@ -49,9 +49,8 @@ import orjson
 from _common import REPO, plan_of_length, sample_config, sample_engine
 
 from derender_core import Endpoint
-from derender_core.batch import Report
 from derender_core.datasets import Input
-from derender_core.jobs import JobSpec, run_job
+from derender_core.jobs import JobSpec, Silent, run_job
 from derender_core.protocol import Answer
 from derender_core.vllm_seam.render import DerenderEngine
 from tests.sample_inputs import SampleBuilder, one_shot_body, qwen3_family
@@ -102,7 +101,7 @@ class InstantEngine:
         pass
 
 
-class Clock:
+class Clock(Silent):
     """The run's observer: marks the start of reading (after the fork),
     and optionally profiles the parent's main thread from there."""
 
@@ -110,22 +109,10 @@ class Clock:
         self.profile = profile
         self.start: tuple[float, ...] | None = None
 
-    def loading(self, model: str) -> None:
-        pass
-
     def start_input(self, path: str, source: Input, resumed: int) -> None:
         self.start = _now()
         if self.profile is not None:
             self.profile.enable()
-
-    def update(self, report: Report) -> None:
-        pass
-
-    def stopping(self, signum: int) -> None:
-        pass
-
-    def notice(self, message: str) -> None:
-        pass
 
 
 def _now() -> tuple[float, float, float, float, float]:
