@@ -51,7 +51,7 @@ from .errors import ConfigError, StreamFailure
 from .protocol import Answer, Derenderer, StreamAnswer
 from .records import Record, RequestIndex
 
-BATCH_RECORDS = 16
+BATCH_RECORDS = 64
 """Records per message to a worker: enough to amortise the hop."""
 BATCHES_IN_FLIGHT = 4
 """Batches a worker may hold (queued or in work) at a time."""
