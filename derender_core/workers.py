@@ -247,8 +247,8 @@ class WorkerPool:
                 send(worker)
                 if not stream:
                     target = min(range(size), key=lambda index: (outstanding[index], index))
-            if len(order) >= limit:  # a generator only when one is due
-                yield from answered(limit - 1)
+            if len(order) >= limit:  # then a batch's worth, not one a record
+                yield from answered(max(limit - BATCH_RECORDS, 0))
         yield from drain()
 
     def _receive(self, worker: int) -> list[Outcome | None]:
