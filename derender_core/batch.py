@@ -101,7 +101,8 @@ class Report:
         self.records += 1
         self.tokens += outcome.tokens
         self.last_line = record.line
-        count_logs(self.logs, outcome.logs, record.number)
+        if outcome.logs:
+            count_logs(self.logs, outcome.logs, record.number)
         if answer.ok:
             return
         self.errors += 1

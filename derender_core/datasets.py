@@ -29,7 +29,6 @@ written.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from .batch import Job
 from .errors import InputError
 from .protocol import Answer
-from .records import JsonProblem, Record, iter_records, joined_body, open_input, parse_line
+from .records import JsonProblem, Record, iter_records, joined_body, open_input, record_body
 from .streams import ChunkFacts
 
 if TYPE_CHECKING:
@@ -192,13 +191,13 @@ def records_from_table(
         key = row.get(key_column) if key_column else None
         trail.update(repr(sorted(row.items())).encode() + b"\n")
         record = _columnar_record(number, row, key, job, origin)
-        yield dataclasses.replace(record, digest=trail.digest())
+        record.digest = trail.digest()
+        yield record
 
 
 def _body_record(number: int, raw: bytes, digest: bytes) -> Record:
     # Every row is a record: an empty body is not JSON.
-    payload, problem = parse_line(raw, keep_blank=True)  # type: ignore[misc]
-    return Record(number=number, line=number, payload=payload, problem=problem, digest=digest)
+    return Record(number, number, digest=digest, text=record_body(raw, keep_blank=True))
 
 
 def _columnar_record(number: int, row: Mapping[str, Any], key: Any, job: Job, origin: str) -> Record:

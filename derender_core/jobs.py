@@ -461,7 +461,7 @@ def _run_one(
 
         def on_progress(report: Report) -> None:
             observer.update(report)
-            if keeper is not None:
+            if keeper is not None and keeper.due():
                 keeper.update(writer.records_written)
 
         try:

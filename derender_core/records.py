@@ -41,7 +41,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -91,19 +91,82 @@ class JsonProblem:
     answering only "There was an error parsing the body"."""
 
 
-@dataclass(frozen=True)
 class Record:
-    """One input record and where it came from."""
+    """One input record and where it came from.
+
+    A record read from text keeps its text and parses it when first asked
+    (`payload`, `problem`), and travels between processes as that text: the
+    worker pool's parent only routes one-shot records, so it never parses
+    them, and a worker parses each once.
+    """
+
+    __slots__ = ("number", "line", "digest", "_text", "_payload", "_problem")
 
     number: int
     """1-based position among the records; output record `number` answers it."""
     line: int
     """1-based line number in the input file."""
-    payload: Any = None
-    problem: JsonProblem | None = None
-    digest: bytes | None = field(default=None, compare=False, repr=False)
+    digest: bytes | None
     """SHA-256 of the input up to and including this record's line (for
     Parquet, its rows up to this one): what ``--resume`` checks."""
+
+    def __init__(
+        self,
+        number: int,
+        line: int,
+        payload: Any = None,
+        problem: JsonProblem | None = None,
+        digest: bytes | None = None,
+        *,
+        text: bytes | None = None,
+    ) -> None:
+        self.number = number
+        self.line = line
+        self.digest = digest
+        self._text = text
+        """The record's JSON text (`record_body`), until it is parsed."""
+        self._payload = payload
+        self._problem = problem
+
+    def _parse(self) -> None:
+        if self._text is not None:
+            self._payload, self._problem = parse_body(self._text)
+            self._text = None
+
+    @property
+    def payload(self) -> Any:
+        self._parse()
+        return self._payload
+
+    @property
+    def problem(self) -> JsonProblem | None:
+        self._parse()
+        return self._problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._text is not None:
+            return (_record_of_text, (self.number, self.line, self._text, self.digest))
+        return (Record, (self.number, self.line, self._payload, self._problem, self.digest))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Record):
+            return NotImplemented
+        return (self.number, self.line, self.payload, self.problem) == (
+            other.number,
+            other.line,
+            other.payload,
+            other.problem,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.number, self.line))
+
+    def __repr__(self) -> str:
+        return f"Record(number={self.number!r}, line={self.line!r}, payload={self.payload!r}, problem={self.problem!r})"
+
+
+def _record_of_text(number: int, line: int, text: bytes, digest: bytes | None) -> Record:
+    return Record(number, line, digest=digest, text=text)
 
 
 class _Prefixed(io.RawIOBase):
@@ -339,8 +402,12 @@ def parse_line(
 
     """
     body = record_body(line, sse=sse, keep_blank=keep_blank)
-    if body is None:
-        return None
+    return None if body is None else parse_body(body)
+
+
+def parse_body(body: bytes) -> tuple[Any, JsonProblem | None]:
+    """Parse a record's JSON text (`record_body`) as the server's parser
+    would: the payload and None, or None and the reason it is not JSON."""
     # orjson turns integers beyond 64 bits into floats; Python's json, the
     # server's parser, keeps them exact, so such lines go to it.
     if body.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0:
@@ -401,23 +468,34 @@ def numbered_lines(
     module doc), so output line *i* answers input line *i*; blank lines
     wait for that, and are dropped at the end. `trail`, a hashlib object,
     is fed every line; the digest is its value after the record's line."""
+    for number, line_number, line, _, digest in _numbered_bodies(lines, sse, trail):
+        yield number, line_number, line, digest
+
+
+def _numbered_bodies(
+    lines: Iterable[bytes], sse: bool, trail: Any
+) -> Iterator[tuple[int, int, bytes, bytes, bytes | None]]:
+    """`numbered_lines`, with each record's JSON text (`record_body`, blank
+    lines kept) after its line."""
     number = 0
     waiting: list[tuple[int, bytes, bytes | None]] = []
+    update = trail.update if trail is not None else None
+    digest = None
     for line_number, line in enumerate(lines, start=1):
-        digest = None
-        if trail is not None:
-            trail.update(line)
+        if update is not None:
+            update(line)
             digest = trail.digest()
-        if record_body(line, sse=sse) is None:
+        body = record_body(line, sse=sse)
+        if body is None:
             if not sse:
                 waiting.append((line_number, line, digest))
             continue
         for blank_number, blank, blank_digest in waiting:
             number += 1
-            yield number, blank_number, blank, blank_digest
+            yield number, blank_number, blank, blank.rstrip(b"\r\n"), blank_digest
         waiting.clear()
         number += 1
-        yield number, line_number, line, digest
+        yield number, line_number, line, body, digest
 
 
 def iter_records(stream: BinaryIO) -> Iterator[Record]:
@@ -429,9 +507,8 @@ def iter_records(stream: BinaryIO) -> Iterator[Record]:
 
     """
     sse, lines = sniff_lines(stream)
-    for number, line_number, line, digest in numbered_lines(lines, sse=sse, trail=hashlib.sha256()):
-        payload, problem = parse_line(line, sse=sse, keep_blank=True)  # type: ignore[misc]
-        yield Record(number, line_number, payload, problem, digest)
+    for number, line_number, _, text, digest in _numbered_bodies(lines, sse, hashlib.sha256()):
+        yield Record(number, line_number, digest=digest, text=text)
 
 
 class RequestIndex:

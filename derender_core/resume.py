@@ -387,6 +387,11 @@ class ManifestKeeper:
                 self._digests.append((record.number, record.digest or b""))
             yield record
 
+    def due(self) -> bool:
+        """Whether `update` may write now: called after every record, it is
+        asked before the output counts what it holds."""
+        return time.monotonic() - self._last_write >= MANIFEST_SECONDS
+
     def update(self, written: int | None, *, final: bool = False) -> None:
         """The output holds `written` more records in full than it did."""
         if written is None:

@@ -51,7 +51,7 @@ from .errors import ConfigError, StreamFailure
 from .protocol import Answer, Derenderer, StreamAnswer
 from .records import Record, RequestIndex
 
-BATCH_RECORDS = 16
+BATCH_RECORDS = 64
 """Records per message to a worker: enough to amortise the hop."""
 BATCHES_IN_FLIGHT = 4
 """Batches a worker may hold (queued or in work) at a time."""
@@ -203,20 +203,17 @@ class WorkerPool:
                 batches[worker] = []
                 outstanding[worker] += 1
 
-        def next_outcome() -> tuple[Record | None, Outcome | None]:
-            worker, record = order.popleft()
-            if not ready[worker]:
-                send(worker)  # what is awaited may still sit in its batch
-                ready[worker].extend(self._receive(worker))
-                outstanding[worker] -= 1
-            return record, ready[worker].popleft()
-
         def answered(keep: int) -> Iterator[tuple[Record, Outcome]]:
             """Outcomes, in order, until at most `keep` records are in flight."""
             while len(order) > keep:
-                done, outcome = next_outcome()
-                if done is not None and outcome is not None:
-                    yield done, outcome
+                worker, record = order.popleft()
+                if not ready[worker]:
+                    send(worker)  # what is awaited may still sit in its batch
+                    ready[worker].extend(self._receive(worker))
+                    outstanding[worker] -= 1
+                outcome = ready[worker].popleft()
+                if record is not None and outcome is not None:
+                    yield record, outcome
 
         def drain() -> Iterator[tuple[Record, Outcome]]:
             for worker in range(size):
@@ -224,6 +221,7 @@ class WorkerPool:
             yield from answered(0)
 
         reading = iter(items)
+        stream = job.stream
         while True:
             try:
                 item = next(reading)
@@ -234,20 +232,23 @@ class WorkerPool:
                 # before it is still answered and written, as in process.
                 yield from drain()
                 raise
-            record = item.record if isinstance(item, Restored) else item
-            if job.stream:
+            restored = isinstance(item, Restored)
+            record = item.record if restored else item
+            if stream:
                 worker = zlib.crc32(orjson.dumps(stream_key(record, job))) % size
-            elif isinstance(item, Restored):
+            elif restored:
                 continue  # a one-shot record has nothing to restore
             else:
                 worker = target
-            batches[worker].append(item)
-            order.append((worker, None if isinstance(item, Restored) else record))
-            if len(batches[worker]) >= BATCH_RECORDS:
+            batch = batches[worker]
+            batch.append(item)
+            order.append((worker, None if restored else record))
+            if len(batch) >= BATCH_RECORDS:
                 send(worker)
-                if not job.stream:
+                if not stream:
                     target = min(range(size), key=lambda index: (outstanding[index], index))
-            yield from answered(limit - 1)
+            if len(order) >= limit:  # then a batch's worth, not one a record
+                yield from answered(max(limit - BATCH_RECORDS, 0))
         yield from drain()
 
     def _receive(self, worker: int) -> list[Outcome | None]:

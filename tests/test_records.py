@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,38 @@ def test_json_line_round_trips(value: Any, ending: bytes, before: bytes, after: 
 @given(json_values, line_endings, st.sampled_from([b"data: ", b"data:", b"data:  "]))
 def test_sse_data_line_round_trips(value: Any, ending: bytes, prefix: bytes) -> None:
     assert parse_line(prefix + orjson.dumps(value) + ending, sse=True) == (value, None)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            json_values.map(orjson.dumps),
+            st.binary(max_size=40),
+            st.sampled_from([b"", b"  ", b"{", b'{"a": NaN}', b"1" * 25, b"[" * 1200]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.booleans(),
+)
+@settings(max_examples=120)
+def test_a_record_parsed_late_or_after_pickling_is_the_line_parsed_now(lines: list[bytes], sse: bool) -> None:
+    """A record keeps its text until asked (a worker pool's parent never
+    parses it) and travels as that text: whenever and wherever it is
+    parsed, it is what `parse_line` gives for its line, problems and all."""
+    lines = [line.replace(b"\n", b" ").replace(b"\r", b" ") for line in lines]
+    prefix = b"data: " if sse else b""
+    text = b"".join(prefix + line + b"\n" for line in lines)
+    records = list(iter_records(io.BytesIO(text)))
+    travelled = pickle.loads(pickle.dumps(records))
+    for record, moved in zip(records, travelled, strict=True):
+        line = (prefix + lines[record.line - 1]) if prefix else lines[record.line - 1]
+        assert moved.digest == record.digest and (moved.number, moved.line) == (record.number, record.line)
+        parsed = parse_line(line, sse=sse, keep_blank=True)
+        assert (moved.payload, moved.problem) == parsed == (record.payload, record.problem)
+        # Once parsed, it travels parsed (nothing is parsed twice).
+        again = pickle.loads(pickle.dumps(record))
+        assert repr((again.payload, again.problem)) == repr(parsed)  # NaN is not NaN
 
 
 @pytest.mark.parametrize("line", [b"", b"\n", b"   \r\n", b"\r"])
