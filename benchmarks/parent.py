@@ -295,7 +295,8 @@ class ParentFigures:
         ratio = self.ceiling / self.worker_rate
         return [
             f"{self.records:,} records of {self.tokens} output tokens (Qwen3 + hermes): {self.line_bytes:,} bytes "
-            f"in, {self.answer_bytes:,} bytes out each; start-up {self.startup:.1f} s (excluded)",
+            f"in, {self.answer_bytes:,} bytes out each; "
+            + (f"start-up {self.startup:.1f} s (excluded)" if self.startup else "the engine warm"),
             f"load average before: {self.load_before:.2f} on {len(os.sched_getaffinity(0))} usable cores "
             "(wall figures are under that load; CPU figures are the ones to trust)",
             "",

@@ -19,11 +19,14 @@ records written between the first samples at 10% and at 90% of the final
 size, over the time between them: the steady state, after the engine is
 built, before the tail. Both outputs are checked equal, byte for byte up
 to ``created`` and tool-call ids. With --repeat, each side runs that many
-times and its best run counts (the machine may be shared).
+times, the two in turn, and its best run counts (the machine may be
+shared).
 
-CPU per record in that window: for the local run, this process; for Ray,
-the actor's process, the driver (this process: Ray Data's streaming
-executor and the writer) and the rest of Ray (raylet, GCS, read tasks).
+CPU per record in that window: for the local run, this process (and what
+the idle cluster spent meanwhile: the local runs take turns with the Ray
+runs while the cluster is up); for Ray, the actor's process, the driver
+(this process: Ray Data's streaming executor and the writer) and the rest
+of Ray (raylet, GCS, read tasks).
 The actor's CPU per record against the local worker's says what one actor
 answers on a core of its own, whatever else the machine runs.
 
@@ -341,14 +344,16 @@ def measure(
         def warm(_: Any) -> DerenderEngine:
             return engine
 
-        record_bytes = len(answer.raw) + 1.0  # refined below, from the whole output
-        locals_ = [_run(spec(workers=1), records, warm) for _ in range(repeat)]
+        locals_: list[Sampler] = []
+        remotes: list[Sampler] = []
         with local_cluster(cpus):
             # In the cluster: Ray Data's datasource joins one when made.
             parts = profile_parts(engine, line, min(records, 1024)) if profile else {}
-            if own:
-                engine.close()  # its memory back before the actor builds its own
-            remotes = [_run(spec(ray=True, ray_actors=1), records, None) for _ in range(repeat)]
+            for _ in range(repeat):  # the two sides in turn, so a busy spell weighs on both
+                locals_.append(_run(spec(workers=1), records, warm))
+                remotes.append(_run(spec(ray=True, ray_actors=1), records, None))
+        if own:
+            engine.close()
         want = outputs[0].read_bytes()
         for output in outputs[1:]:
             if normalized_bytes(output.read_bytes()) != normalized_bytes(want):
@@ -356,7 +361,7 @@ def measure(
         record_bytes = len(want) / records
         local = max(
             (
-                s.window("local worker (-j 1)", record_bytes, {"this process": "local"})
+                s.window("local worker (-j 1)", record_bytes, {"this process": "local", "ray (other)": "ray (idle)"})
                 for s in locals_
             ),
             key=lambda window: window.rate,
