@@ -140,7 +140,7 @@ def stream_section(engine: DerenderEngine, quick: bool, repeat: int) -> list[Ver
         import stream_floor
     except ImportError as exc:
         print(f"  not measured: benchmarks/stream_floor.py is missing or broken ({exc}); it should expose "
-              "measure(tokens=8192, repeat=3, engine=None) returning figures with .ratio (derender's "
+              "measure(engine, tokens=8192, repeat=5) returning figures with .ratio (derender's "
               "cost per chunk over vLLM's) and .lines()")  # fmt: skip
         return [Verdict(name, None, STREAM_TARGET, at_most=True)]
     figures = _call_with(stream_floor.measure, tokens=8192, repeat=1 if quick else min(repeat, 3), engine=engine, quick=quick)
@@ -189,7 +189,7 @@ def main() -> None:
         verdicts.extend(section())
     engine.close()
 
-    heading(f"Summary ({time.perf_counter() - started:.0f} s in all)")
+    heading(f"Summary, {time.perf_counter() - started:.0f} s in all")
     for verdict in verdicts:
         print(verdict)
     passed = sum(verdict.passed for verdict in verdicts)
