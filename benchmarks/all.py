@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import os
 import time
@@ -152,6 +153,9 @@ def stream_section(engine: DerenderEngine, quick: bool, repeat: int) -> list[Ver
 
 def ray_section(engine: DerenderEngine, quick: bool) -> list[Verdict]:
     """Section 4: one Ray actor against one local worker."""
+    if importlib.util.find_spec("ray") is None:
+        print("  not measured: Ray is not installed (pip install 'derender[ray]')")
+        return [Verdict("one Ray actor / one local worker, records/s", None, ray_actor.TARGET, at_most=False)]
     figures = ray_actor.measure(
         2000 if quick else 6000, 400, cpus=2, repeat=1 if quick else 2, profile=not quick, engine=engine
     )
