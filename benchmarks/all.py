@@ -157,7 +157,7 @@ def ray_section(engine: DerenderEngine, quick: bool) -> list[Verdict]:
         print("  not measured: Ray is not installed (pip install 'derender[ray]')")
         return [Verdict("one Ray actor / one local worker, records/s", None, ray_actor.TARGET, at_most=False)]
     figures = ray_actor.measure(
-        2000 if quick else 6000, 400, cpus=2, repeat=1 if quick else 2, profile=not quick, engine=engine
+        4000 if quick else 8000, 400, cpus=2, repeat=1 if quick else 2, profile=not quick, engine=engine
     )
     print("\n".join(figures.lines()))
     return [Verdict("one Ray actor / one local worker, records/s", figures.ratio, ray_actor.TARGET, at_most=False)]
