@@ -14,7 +14,8 @@ manifest); the engine comes in through run_job's ``warm=`` seam:
   all of its real work (reading, parsing, hashing for the manifest,
   pickling, queue traffic, ordering, writing) and the workers only their
   share of the path around the engine (body checks, framing);
-- real: the sample's `DerenderEngine`, on 2 workers.
+- real: the sample's `DerenderEngine`, on 1 worker (in process) and on
+  2 workers.
 
 The parent's CPU is `resource.getrusage(RUSAGE_SELF)` (user + sys, all its
 threads) from the moment the run starts reading (after the fork) to the end
@@ -26,7 +27,9 @@ figures are printed too.
 The parent's ceiling is records per parent CPU second with instant
 workers; one real worker's rate is records per worker CPU second with real
 workers. Targets: the ceiling at least 20x one real worker; with 2 real
-workers the parent's CPU per record at most 5% of the workers'. The profile
+workers the parent's CPU per record at most 5% of the workers'; real -j 2
+at least 1.8x real -j 1's records/s (wall). `measure_parent` returns the
+figures (benchmarks/all.py prints them with the other sections). The profile
 (cProfile on the main thread's CPU clock, from the start of reading) groups the parent's
 tottime by what it is for; a builtin is charged to its callers' group.
 """
@@ -35,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import os
 import pstats
 import resource
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +247,155 @@ def grouped(stats: pstats.Stats) -> dict[str, float]:
     return totals
 
 
+@dataclasses.dataclass
+class ParentFigures:
+    """What `measure_parent` returns: the runs, and the profiles if taken."""
+
+    records: int
+    tokens: int
+    line_bytes: int
+    answer_bytes: int
+    startup: float
+    load_before: float
+    runs: list[Measured]
+    """The instant runs, one per worker count."""
+    real_one: Measured
+    """Real, -j 1: the one worker in process."""
+    real: Measured
+    """Real, -j 2."""
+    profiles: list[tuple[str, pstats.Stats, int]]
+    load_after: float = 0.0
+
+    @property
+    def ceiling(self) -> float:
+        """Records per parent CPU second with instant workers, best pooled run."""
+        pooled = [run for run in self.runs if "in process" not in run.name]
+        return max(run.records / run.parent for run in pooled) if pooled else float("nan")
+
+    @property
+    def worker_us(self) -> float:
+        """One real worker's CPU per record (with 2 real workers)."""
+        return self.real.per_record_us(self.real.workers)
+
+    @property
+    def worker_rate(self) -> float:
+        return 1e6 / self.worker_us
+
+    @property
+    def share(self) -> float:
+        """The parent's CPU over the workers' with 2 real workers."""
+        return self.real.parent / self.real.workers
+
+    @property
+    def speedup(self) -> float:
+        """-j 2's records/s (wall) over -j 1's."""
+        return (self.real.records / self.real.wall) / (self.real_one.records / self.real_one.wall)
+
+    def lines(self) -> list[str]:
+        ratio = self.ceiling / self.worker_rate
+        return [
+            f"{self.records:,} records of {self.tokens} output tokens (Qwen3 + hermes): {self.line_bytes:,} bytes "
+            f"in, {self.answer_bytes:,} bytes out each; "
+            + (f"start-up {self.startup:.1f} s (excluded)" if self.startup else "the engine warm"),
+            f"load average before: {self.load_before:.2f} on {len(os.sched_getaffinity(0))} usable cores "
+            "(wall figures are under that load; CPU figures are the ones to trust)",
+            "",
+            f"{'per record (CPU)':30} {'parent us':>9} {'of it sys':>9} {'main us':>9} {'feeder us':>9} {'parent r/s':>11} "
+            f"{'worker us':>9} {'wall r/s':>10}",
+            *(run.row() for run in (*self.runs, self.real_one, self.real)),
+            "",
+            f"parent's ceiling (instant workers, best pooled run): {self.ceiling:,.0f} records/s of parent CPU",
+            f"one real worker: {self.worker_rate:,.0f} records/s of worker CPU ({self.worker_us:,.0f} us per record)",
+            f"ceiling / one real worker: {ratio:.1f}x   (target >= 20x): one parent feeds about {ratio:.0f} real workers",
+            f"parent CPU with 2 real workers: {self.real.per_record_us(self.real.parent):.1f} us per record, "
+            f"{self.share:.1%} of the workers' {self.worker_us:,.0f} us   (target <= 5%)",
+            f"real -j 2 / real -j 1 (wall records/s): {self.speedup:.2f}x   (target >= 1.8x)",
+        ]
+
+    def profile_lines(self, top: int) -> list[str]:
+        if not self.profiles:
+            return []
+        out = [
+            "",
+            "parent's main thread, cProfile tottime (its CPU clock) per record, by group; "
+            "the profiler's own cost inflates every figure",
+            f"  {'':22}" + "".join(f" {name:>12} {'share':>6}" for name, _, _ in self.profiles),
+        ]
+        sums = [(grouped(stats), records) for _, stats, records in self.profiles]
+        for group in (*GROUPS, "other", "total"):
+            cells = []
+            for totals, records in sums:
+                seconds = sum(totals.values()) if group == "total" else totals.get(group, 0.0)
+                cells.append(f" {seconds / records * 1e6:9.1f} us {seconds / sum(totals.values()):6.1%}")
+            out.append(f"  {group:22}" + "".join(cells))
+        for name, stats, records in self.profiles:
+            table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+            whole = sum(entry[2] for entry in table.values())
+            out.append(f"\ntop {top} entries by tottime, {name} ({records:,} records):")
+            ranked = sorted(table.items(), key=lambda item: item[1][2], reverse=True)[:top]
+            for key, (_, calls, tottime, _, _) in ranked:
+                path, line_number, function = key
+                where = function if path == "~" else f"{os.path.basename(path)}:{line_number}({function})"
+                group = group_of(key) or "(callers')"
+                out.append(
+                    f"  {tottime / records * 1e6:6.1f} us {tottime / whole:6.1%} {calls:9,} calls  {group:20} {where}"
+                )
+        return out
+
+
+def measure_parent(
+    records: int = 20000, tokens: int = 400, workers: Sequence[int] = (1, 2, 4), profile: bool = True,
+    engine: DerenderEngine | None = None,
+) -> ParentFigures:  # fmt: skip
+    """The runs of the module doc; `engine` is the sample's, warm, if the
+    caller has one (else built here, its start-up reported)."""
+    load_before = os.getloadavg()[0]
+    startup = 0.0
+    if engine is None:
+        engine, startup = sample_engine()
+    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
+    body = one_shot_body(plan_of_length(builder, tokens), builder.family.served_name)
+    answer = engine.post(Endpoint.CHAT, body)
+    if not answer.ok:
+        raise SystemExit(f"the record fails: {answer.raw[:300]!r}")
+    line = orjson.dumps(body) + b"\n"
+    instant = InstantEngine(engine, Answer(answer.status, answer.raw))
+
+    with tempfile.TemporaryDirectory() as scratch:
+        input_path = Path(scratch) / "records.jsonl"
+        input_path.write_bytes(line * records)
+        output = Path(scratch) / "out.jsonl"
+        warm = Path(scratch) / "warm.jsonl"
+        warm_records = min(records, 1000)
+        warm.write_bytes(line * warm_records)
+        measure("warm-up", instant, warm, output, 2, warm_records)
+        runs = [
+            measure(f"instant, -j {n}" + (" (in process)" if n == 1 else ""), instant, input_path, output, n, records)
+            for n in workers
+        ]
+        real_one = measure("real, -j 1 (in process)", engine, input_path, output, 1, records)
+        real = measure("real, -j 2", engine, input_path, output, 2, records)
+        profiles: list[tuple[str, pstats.Stats, int]] = []
+        if profile:
+            # Profiled apart (the profiler doubles the parent's CPU); the real
+            # run on a quarter of the records, to spare the busy machine.
+            instant_profile = cProfile.Profile(time.thread_time)  # CPU, not the waits
+            measure("instant, -j 2, profiled", instant, input_path, output, 2, records, instant_profile)
+            short = Path(scratch) / "short.jsonl"
+            short_records = max(records // 4, 1)
+            short.write_bytes(line * short_records)
+            real_profile = cProfile.Profile(time.thread_time)
+            measure("real, -j 2, profiled", engine, short, output, 2, short_records, real_profile)
+            profiles = [
+                ("instant -j 2", pstats.Stats(instant_profile), records),
+                ("real -j 2", pstats.Stats(real_profile), short_records),
+            ]
+    return ParentFigures(
+        records, tokens, len(line), len(answer.raw) + 1, startup, load_before, runs, real_one, real, profiles,
+        os.getloadavg()[0],
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=20000)
@@ -252,115 +405,10 @@ def main() -> None:
     args = parser.parse_args()
 
     engine, startup = sample_engine()
-    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
-    body = one_shot_body(plan_of_length(builder, args.tokens), builder.family.served_name)
-    answer = engine.post(Endpoint.CHAT, body)
-    if not answer.ok:
-        raise SystemExit(f"the record fails: {answer.raw[:300]!r}")
-    line = orjson.dumps(body) + b"\n"
-    instant = InstantEngine(engine, Answer(answer.status, answer.raw))
-
-    with tempfile.TemporaryDirectory() as scratch:
-        input_path = Path(scratch) / "records.jsonl"
-        input_path.write_bytes(line * args.records)
-        output = Path(scratch) / "out.jsonl"
-        print(
-            f"{args.records:,} records of {args.tokens} output tokens (Qwen3 + hermes): {len(line):,} bytes "
-            f"in, {len(answer.raw) + 1:,} bytes out each; start-up {startup:.1f} s (excluded)"
-        )
-        print(
-            f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} usable cores "
-            "(wall figures are under that load; CPU figures are the ones to trust)"
-        )
-
-        warm = Path(scratch) / "warm.jsonl"
-        warm_records = min(args.records, 1000)
-        warm.write_bytes(line * warm_records)
-        measure("warm-up", instant, warm, output, 2, warm_records)
-        runs = [
-            measure(
-                f"instant, -j {n}" + (" (in process)" if n == 1 else ""),
-                instant,
-                input_path,
-                output,
-                n,
-                args.records,
-            )
-            for n in args.workers
-        ]
-        real = measure("real, -j 2", engine, input_path, output, 2, args.records)
-        # Profiled apart (the profiler doubles the parent's CPU); the real
-        # run on a quarter of the records, to spare the busy machine.
-        instant_profile = cProfile.Profile(time.thread_time)  # CPU, not the waits
-        measure(
-            "instant, -j 2, profiled", instant, input_path, output, 2, args.records, instant_profile
-        )
-        short = Path(scratch) / "short.jsonl"
-        short_records = max(args.records // 4, 1)
-        short.write_bytes(line * short_records)
-        real_profile = cProfile.Profile(time.thread_time)
-        measure("real, -j 2, profiled", engine, short, output, 2, short_records, real_profile)
-
-    print(
-        f"\n{'per record (CPU)':30} {'parent us':>9} {'of it sys':>9} {'main us':>9} {'feeder us':>9} {'parent r/s':>11} "
-        f"{'worker us':>9} {'wall r/s':>10}"
-    )
-    for run in (*runs, real):
-        print(run.row())
-
-    pooled = [run for run in runs if "in process" not in run.name]
-    ceiling = max(run.records / run.parent for run in pooled) if pooled else float("nan")
-    worker_us = real.per_record_us(real.workers)
-    worker_rate = 1e6 / worker_us
-    share = real.parent / real.workers
-    print(
-        f"\nparent's ceiling (instant workers, best pooled run): {ceiling:,.0f} records/s of parent CPU"
-    )
-    print(
-        f"one real worker: {worker_rate:,.0f} records/s of worker CPU ({worker_us:,.0f} us per record)"
-    )
-    print(
-        f"ceiling / one real worker: {ceiling / worker_rate:.1f}x   (target >= 20x): one parent feeds "
-        f"about {ceiling / worker_rate:.0f} real workers"
-    )
-    print(
-        f"parent CPU with 2 real workers: {real.per_record_us(real.parent):.1f} us per record, "
-        f"{share:.1%} of the workers' {worker_us:,.0f} us   (target <= 5%)"
-    )
-
-    profiles = [
-        ("instant -j 2", pstats.Stats(instant_profile), args.records),
-        ("real -j 2", pstats.Stats(real_profile), short_records),
-    ]
-    print(
-        "\nparent's main thread, cProfile tottime (its CPU clock) per record, by group; "
-        "the profiler's own cost inflates every figure"
-    )
-    print(f"  {'':22}" + "".join(f" {name:>12} {'share':>6}" for name, _, _ in profiles))
-    sums = [(grouped(stats), records) for _, stats, records in profiles]
-    for group in (*GROUPS, "other", "total"):
-        cells = []
-        for totals, records in sums:
-            seconds = sum(totals.values()) if group == "total" else totals.get(group, 0.0)
-            cells.append(
-                f" {seconds / records * 1e6:9.1f} us {seconds / sum(totals.values()):6.1%}"
-            )
-        print(f"  {group:22}" + "".join(cells))
-    for name, stats, records in profiles:
-        table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-        whole = sum(entry[2] for entry in table.values())
-        print(f"\ntop {args.top} entries by tottime, {name} ({records:,} records):")
-        top = sorted(table.items(), key=lambda item: item[1][2], reverse=True)[: args.top]
-        for key, (_, calls, tottime, _, _) in top:
-            path, line_number, function = key
-            where = (
-                function if path == "~" else f"{os.path.basename(path)}:{line_number}({function})"
-            )
-            group = group_of(key) or "(callers')"
-            print(
-                f"  {tottime / records * 1e6:6.1f} us {tottime / whole:6.1%} {calls:9,} calls  {group:20} {where}"
-            )
-    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    figures = measure_parent(args.records, args.tokens, args.workers, engine=engine)
+    figures.startup = startup
+    print("\n".join([*figures.lines(), *figures.profile_lines(args.top)]))
+    print(f"\nload average after: {figures.load_after:.2f}")
     engine.close()
 
 

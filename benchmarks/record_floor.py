@@ -1,6 +1,6 @@
 """A whole one-shot record against its job floor: the per-record fixed costs.
 
-    python benchmarks/record_floor.py [--tokens 30 400] [--records 100] [--repeat 20]
+    python benchmarks/record_floor.py [--tokens 30 400 8000] [--records 100] [--repeat 20] [--logprobs]
 
 Records are Qwen3 + hermes answers (a reasoning trace, a short answer, one
 tool call) of N output tokens. Per length, the best of --repeat runs of
@@ -12,7 +12,12 @@ tool call) of N output tokens. Per length, the best of --repeat runs of
 - job floor: the work itself, per record: read the line, ``orjson.loads``,
   one tokenizers decode of the ids, vLLM's own parser class built and
   ``parse()`` called once, ``orjson.dumps`` of a response-shaped dict;
-  its message is checked equal to derender's.
+  its message is checked equal to derender's. With --logprobs each length
+  runs again with 5 top logprobs per token (integer ids, as generate sends
+  them): the floor also writes each sampled id and its alternatives as
+  token, logprob and bytes (each id decoded once per process, as
+  derender's table does; a piece of a cut character corrected by vLLM's
+  own rule), checked equal to derender's logprobs.
 
 Then ``engine.chat`` on a 16-token answer against its floor (the same work
 less reading and writing JSON: decode, parser, parse, the response dict).
@@ -25,18 +30,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import io
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
 from _common import REPO, plan_of_length, sample_config
-from floor import Floor
+from floor import Floor, with_logprobs
 
 from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
+from derender_core.vllm_seam.render import collector_paused
 from derender_core.writers import JsonlWriter
 from tests.sample_inputs import SampleBuilder, one_shot_body, qwen3_family
 
@@ -64,6 +72,54 @@ class JobFloor(Floor):
     def __init__(self, engine: DerenderEngine, body: dict[str, Any]) -> None:
         super().__init__(engine)
         self.validated = self.request(copy.deepcopy(body))
+        chat = self.validated.chat_request
+        self.top = (chat.top_logprobs or 0) if chat.logprobs else None
+        """Top alternatives per token the body asks for; None: no logprobs."""
+        self._decoded: dict[int, str] = {}
+
+    def logprobs(self) -> dict[str, Any] | None:
+        """The logprobs content: each sampled id and its first `top`
+        alternatives decoded, as token, logprob, bytes."""
+        if self.top is None:
+            return None
+        with collector_paused():  # as derender's call runs: no collection amid the allocations
+            return self._logprobs(self.top)
+
+    def _logprobs(self, top: int) -> dict[str, Any]:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        entries = self.validated.generate_response.choices[0].logprobs.content
+        chosen = [(entry, *entry.top_logprobs[:top]) for entry in entries]
+        ids = [c.token_id for row in chosen for c in row]
+        # Each id decoded once per process, as derender's table remembers
+        # them (decoding every id per record would be more than the work).
+        known = self._decoded
+        missing = list({i for i in ids if i not in known})
+        known.update(zip(missing, self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False), strict=True))
+        texts = map(known.__getitem__, ids)
+        sampled = [entry.token_id for entry in entries]
+        # vLLM's own rule for a piece of a character cut across tokens (its
+        # text from the sampled tokens before it, at most 4, else ""), its
+        # decodes made by the tokenizers library directly.
+        backend = self.backend
+        vllm = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: backend.decode(ids, skip_special_tokens=False)))
+
+        def item(c: Any, position: int) -> dict[str, Any]:
+            token = next(texts)
+            if token.endswith("\ufffd"):
+                token = LogprobsProcessor._correct_decoded_token(vllm, c.token_id, sampled[max(position - 4, 0) : position])  # type: ignore[arg-type]
+            return {"token": token, "logprob": c.logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**item(row[0], i), "top_logprobs": [item(c, i) for c in row[1:]]} for i, row in enumerate(chosen)
+            ]
+        }
+
+    def check_logprobs(self, answer: dict[str, Any]) -> None:
+        """The floor's logprobs are derender's, token for token."""
+        if orjson.dumps(self.logprobs()) != orjson.dumps(answer["choices"][0]["logprobs"]):
+            raise SystemExit("the floor's logprobs are not derender's")
 
     def response(self, model: Any) -> dict[str, Any]:
         reasoning, content, calls = self.work(self.validated, logprobs=False)
@@ -76,7 +132,7 @@ class JobFloor(Floor):
         }
         return {
             "id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}],
+            "choices": [{"index": 0, "message": message, "logprobs": self.logprobs(), "finish_reason": "tool_calls"}],
             "usage": {"prompt_tokens": 0, "total_tokens": 0, "completion_tokens": 0},
         }  # fmt: skip
 
@@ -85,45 +141,68 @@ class JobFloor(Floor):
         return orjson.dumps(self.response(body["chat_request"].get("model")))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="+", default=[30, 400])
-    parser.add_argument("--records", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
+@dataclasses.dataclass
+class RecordRow:
+    """One length's figures, in seconds per record."""
 
-    engine = DerenderEngine.build(sample_config())
-    b = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
+    tokens: int
+    logprobs: bool
+    record: float
+    post: float
+    floor: float
+
+    @property
+    def ratio(self) -> float:
+        return self.record / self.floor
+
+    def line(self) -> str:
+        return (
+            f"{self.tokens:7d} {'5 top' if self.logprobs else '-':>8} {self.record * 1e3:7.3f}ms {self.post * 1e3:7.3f}ms "
+            f"{self.floor * 1e3:8.3f}ms {self.ratio:12.2f}x {self.post / self.floor:10.2f}x"
+        )
+
+
+HEADER = f"{'tokens':>7} {'logprobs':>8} {'record':>9} {'post':>9} {'job floor':>10} {'record/floor':>13} {'post/floor':>11}"
+
+
+def record_row(
+    engine: DerenderEngine, b: SampleBuilder, tokens: int, records: int, repeat: int, logprobs: bool = False
+) -> RecordRow:
+    """A record of `tokens` output ids (with 5 top logprobs per token if
+    `logprobs`) against its job floor, the floor's answer checked equal."""
     job = Job(Endpoint.CHAT, stream=False)
-    n = args.records
-    print(f"Qwen3 + hermes, one-shot chat, {n} records per run, best of {args.repeat}, per record:")
-    print(f"{'tokens':>7} {'record':>9} {'post':>9} {'job floor':>10} {'record/floor':>13} {'post/floor':>11}")
-    for tokens in args.tokens:
-        body = one_shot_body(plan_of_length(b, tokens), b.family.served_name)
-        line = orjson.dumps(body)
-        data = b"\n".join([line] * n) + b"\n"
-        floor = JobFloor(engine, body)
-        answer = engine.post(Endpoint.CHAT, body)
-        assert answer.ok, answer.raw[:300]
-        floor.check(floor.validated, answer.body)
+    n = records
+    body = one_shot_body(plan_of_length(b, tokens), b.family.served_name)
+    if logprobs:
+        body = with_logprobs(body)
+    line = orjson.dumps(body)
+    data = b"\n".join([line] * n) + b"\n"
+    floor = JobFloor(engine, body)
+    answer = engine.post(Endpoint.CHAT, body)
+    assert answer.ok, answer.raw[:300]
+    floor.check(floor.validated, answer.body)
+    floor.check_logprobs(answer.body)
 
-        def job_run() -> None:
-            report = run(engine, iter_records(io.BytesIO(data)), job, JsonlWriter(target=io.BytesIO()))  # noqa: B023
-            assert report.errors == 0
+    def job_run() -> None:
+        report = run(engine, iter_records(io.BytesIO(data)), job, JsonlWriter(target=io.BytesIO()))
+        assert report.errors == 0
 
-        def posts() -> None:
-            for _ in range(n):
-                engine.post(Endpoint.CHAT, body)  # noqa: B023
+    def posts() -> None:
+        for _ in range(n):
+            engine.post(Endpoint.CHAT, body)
 
-        def floors() -> None:
-            for _ in range(n):
-                floor.record(line)  # noqa: B023
+    def floors() -> None:
+        for _ in range(n):
+            floor.record(line)
 
-        record_s, post_s, floor_s = (t / n for t in best((job_run, posts, floors), args.repeat))
-        count = len(body["generate_response"]["choices"][0]["token_ids"])
-        print(f"{count:7d} {record_s * 1e3:7.3f}ms {post_s * 1e3:7.3f}ms {floor_s * 1e3:8.3f}ms "
-              f"{record_s / floor_s:12.2f}x {post_s / floor_s:10.2f}x", flush=True)
+    record_s, post_s, floor_s = (t / n for t in best((job_run, posts, floors), repeat))
+    count = len(body["generate_response"]["choices"][0]["token_ids"])
+    return RecordRow(count, logprobs, record_s, post_s, floor_s)
 
+
+def chat_row(engine: DerenderEngine, b: SampleBuilder, records: int, repeat: int) -> tuple[int, float, float]:
+    """``engine.chat`` on a 16-token answer against its floor: (tokens,
+    seconds per call, the floor's seconds per call)."""
     plan = plan_of_length(b, 16)
     body = one_shot_body(plan, b.family.served_name)
     ids = body["generate_response"]["choices"][0]["token_ids"]
@@ -134,15 +213,36 @@ def main() -> None:
     model = chat_request.get("model")
 
     def chats() -> None:
-        for _ in range(n):
+        for _ in range(records):
             engine.chat(ids, chat_request, prompt)
 
     def chat_floors() -> None:
-        for _ in range(n):
+        for _ in range(records):
             floor.response(model)
 
-    chat_s, chat_floor_s = (t / n for t in best((chats, chat_floors), args.repeat))
-    print(f"\nengine.chat, {len(ids)} tokens: {chat_s * 1e3:.3f}ms, floor {chat_floor_s * 1e3:.3f}ms, "
+    chat_s, chat_floor_s = (t / records for t in best((chats, chat_floors), repeat))
+    return len(ids), chat_s, chat_floor_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[30, 400])
+    parser.add_argument("--records", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--logprobs", action="store_true", help="also each length with 5 top logprobs per token")
+    args = parser.parse_args()
+
+    engine = DerenderEngine.build(sample_config())
+    b = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
+    n = args.records
+    print(f"Qwen3 + hermes, one-shot chat, {n} records per run, best of {args.repeat}, per record:")
+    print(HEADER)
+    for tokens in args.tokens:
+        for logprobs in (False, True) if args.logprobs else (False,):
+            print(record_row(engine, b, tokens, n, args.repeat, logprobs).line(), flush=True)
+
+    count, chat_s, chat_floor_s = chat_row(engine, b, n, args.repeat)
+    print(f"\nengine.chat, {count} tokens: {chat_s * 1e3:.3f}ms, floor {chat_floor_s * 1e3:.3f}ms, "
           f"{chat_s / chat_floor_s:.2f}x")
     engine.close()
 
