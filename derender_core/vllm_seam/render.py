@@ -228,8 +228,14 @@ class DerenderEngine(CodeAPI):
         # A response is thousands of short-lived containers; the collector's
         # full passes over the heap (the tokenizer's vocabulary and merges
         # among it) would otherwise cost more than the record itself.
-        with collector_paused():
+        # (`collector_paused`, inlined: this runs once per record.)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
             return self._post(endpoint, body)
+        finally:
+            if enabled:
+                gc.enable()
 
     def _post(self, endpoint: Endpoint, body: Any) -> Answer:
         from pydantic import ValidationError
@@ -461,18 +467,12 @@ class DerenderEngine(CodeAPI):
 
     async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
         """The body of the api_router handlers for the derender paths."""
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
-            DerenderChatStreamRequest,
-            DerenderCompletionStreamRequest,
-        )
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        handlers: dict[type, Callable[[Any], Any]] = {
-            DerenderChatStreamRequest: self._serving.derender_chat_stream_response,
-            DerenderCompletionStreamRequest: self._serving.derender_completion_stream_response,
-        }
-        if type(request) in handlers:
-            result = await handlers[type(request)](request)
+        (chat_stream, completion_stream), ErrorResponse = _dispatch_types()  # noqa: N806 - a class
+        if type(request) is chat_stream or type(request) is completion_stream:
+            if type(request) is chat_stream:
+                result = await self._serving.derender_chat_stream_response(request)
+            else:
+                result = await self._serving.derender_completion_stream_response(request)
             if isinstance(result, ErrorResponse):
                 return _json_answer(result.model_dump(), result.error.code)
             chunk, stream_state = result
@@ -523,6 +523,19 @@ class DerenderEngine(CodeAPI):
                 raise
             return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
+
+
+@functools.cache
+def _dispatch_types() -> tuple[tuple[type, ...], type]:
+    """The streaming request classes and vLLM's error response class,
+    imported once rather than on every call."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        DerenderChatStreamRequest,
+        DerenderCompletionStreamRequest,
+    )
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    return (DerenderChatStreamRequest, DerenderCompletionStreamRequest), ErrorResponse
 
 
 def _checked_decode(decode: str) -> str:
