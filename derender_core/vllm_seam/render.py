@@ -638,8 +638,6 @@ def _json_answer(
     answer keeps `content` as its body: a JSON round trip of a plain tree
     gives an equal one.
     """
-    from fastapi.responses import JSONResponse
-
     marks = []
     for index, rendered in enumerate(spliced):
         if rendered is not None:
@@ -647,13 +645,15 @@ def _json_answer(
             marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
     raw = plain_json(content) if plain else None
     if raw is None:
+        from fastapi.responses import JSONResponse
+
         try:
             raw = bytes(JSONResponse(content=content, status_code=status).body)
         except (ValueError, TypeError) as exc:
             return _unserialisable(exc)
     elif not marks:
         answer = Answer(status, raw)
-        answer.__dict__["body"] = content  # Answer.body, a cached_property
+        answer.body = content  # in place of Answer.body's parse (a cached_property)
         return answer
     for mark, rendered in marks:
         raw = raw.replace(mark, rendered, 1)
