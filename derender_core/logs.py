@@ -12,10 +12,11 @@ vLLM set up, in the process that logged them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 VLLM_LOGGER = "vllm"
 
@@ -86,29 +87,42 @@ def _one_line(record: logging.LogRecord, error: BaseException | None) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-@contextlib.contextmanager
-def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
+class _Routed:
     """vLLM's log records go to `sink` while the block runs (and, with
-    `verbose`, on to vLLM's own handlers in full)."""
-    logger = logging.getLogger(VLLM_LOGGER)
-    original = logger.handlers[:]
-    # Nested in another collection (a record's, inside its run's), pass on
-    # to vLLM's own handlers, not to the outer collector: a record's lines
-    # are counted once, through its outcome.
-    beneath = [
-        inner
-        for handler in original
-        for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
-    ]
-    # Collectors are reused: this runs once per record, and building a
-    # logging.Handler (its lock, its registration) cost more than the rest.
-    collector = _idle_collectors.pop() if _idle_collectors else _Collector(sink, [])
-    collector._sink, collector._passthrough = sink, beneath if verbose else []
-    logger.handlers = [collector]
-    try:
-        yield
-    finally:
-        logger.handlers = original
+    `verbose`, on to vLLM's own handlers in full); the block gets `value`.
+
+    A class rather than a generator-based context manager: it is entered
+    once per record, and the generator's frame and wrappers cost more
+    than the routing itself."""
+
+    __slots__ = ("_sink", "_verbose", "_value", "_logger", "_original", "_collector")
+
+    def __init__(self, sink: Callable[[LogLine], None], verbose: bool, value: Any = None) -> None:
+        self._sink = sink
+        self._verbose = verbose
+        self._value = value
+
+    def __enter__(self) -> Any:
+        logger = self._logger = logging.getLogger(VLLM_LOGGER)
+        original = self._original = logger.handlers[:]
+        # Nested in another collection (a record's, inside its run's), pass on
+        # to vLLM's own handlers, not to the outer collector: a record's lines
+        # are counted once, through its outcome.
+        beneath = [
+            inner
+            for handler in original
+            for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
+        ]
+        # Collectors are reused: this runs once per record, and building a
+        # logging.Handler (its lock, its registration) cost more than the rest.
+        collector = self._collector = _idle_collectors.pop() if _idle_collectors else _Collector(self._sink, [])
+        collector._sink, collector._passthrough = self._sink, beneath if self._verbose else []
+        logger.handlers = [collector]
+        return self._value
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.handlers = self._original
+        collector = self._collector
         collector._sink, collector._passthrough = _drop, []
         _idle_collectors.append(collector)
 
@@ -120,19 +134,15 @@ def _drop(line: LogLine) -> None:
     """The sink of an idle collector."""
 
 
-@contextlib.contextmanager
-def collected_vllm_logs(*, verbose: bool) -> Iterator[list[LogLine]]:
+def collected_vllm_logs(*, verbose: bool) -> AbstractContextManager[list[LogLine]]:
     """The vLLM log records of the block, as lines."""
     lines: list[LogLine] = []
-    with _routed(lines.append, verbose):
-        yield lines
+    return _Routed(lines.append, verbose, lines)
 
 
-@contextlib.contextmanager
 def tally_vllm_logs(
     kinds: list[LogKind], current_record: Callable[[], int], *, verbose: bool
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Count into `kinds` the vLLM log records of a whole run that no
     record's own collection took (those of writing the output, say)."""
-    with _routed(lambda line: count_logs(kinds, [line], current_record()), verbose):
-        yield
+    return _Routed(lambda line: count_logs(kinds, [line], current_record()), verbose)

@@ -159,11 +159,13 @@ class TokenTable:
         The usual output (every id in range, no special token to skip) is
         looked up in one batched pass over the remembered pieces; anything
         else, or an id not looked up before, takes the per-id steps
-        (`_steps`), which also remember the new ids' pieces."""
-        if token_ids and min(token_ids) >= 0 and max(token_ids) < self.size:
-            if not (skip_special_tokens and not self.special_ids.isdisjoint(token_ids)):
-                with contextlib.suppress(KeyError):
-                    return list(map(self._pieces.__getitem__, token_ids))
+        (`_steps`), which also remember the new ids' pieces. Only `_steps`
+        remembers pieces, and only for ids in range, so an id out of range
+        is never found: the lookup raises KeyError and the steps answer,
+        with no separate range check."""
+        if not (skip_special_tokens and not self.special_ids.isdisjoint(token_ids)):
+            with contextlib.suppress(KeyError):
+                return list(map(self._pieces.__getitem__, token_ids))
         return [piece for step in self._steps(token_ids, skip_special_tokens) for piece in step]
 
     def detokenize_delta(

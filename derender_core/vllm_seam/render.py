@@ -27,6 +27,8 @@ from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import orjson
+
 from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
@@ -226,8 +228,14 @@ class DerenderEngine(CodeAPI):
         # A response is thousands of short-lived containers; the collector's
         # full passes over the heap (the tokenizer's vocabulary and merges
         # among it) would otherwise cost more than the record itself.
-        with collector_paused():
+        # (`collector_paused`, inlined: this runs once per record.)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
             return self._post(endpoint, body)
+        finally:
+            if enabled:
+                gc.enable()
 
     def _post(self, endpoint: Endpoint, body: Any) -> Answer:
         from pydantic import ValidationError
@@ -459,18 +467,12 @@ class DerenderEngine(CodeAPI):
 
     async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
         """The body of the api_router handlers for the derender paths."""
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
-            DerenderChatStreamRequest,
-            DerenderCompletionStreamRequest,
-        )
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        handlers: dict[type, Callable[[Any], Any]] = {
-            DerenderChatStreamRequest: self._serving.derender_chat_stream_response,
-            DerenderCompletionStreamRequest: self._serving.derender_completion_stream_response,
-        }
-        if type(request) in handlers:
-            result = await handlers[type(request)](request)
+        (chat_stream, completion_stream), ErrorResponse = _dispatch_types()  # noqa: N806 - a class
+        if type(request) is chat_stream or type(request) is completion_stream:
+            if type(request) is chat_stream:
+                result = await self._serving.derender_chat_stream_response(request)
+            else:
+                result = await self._serving.derender_completion_stream_response(request)
             if isinstance(result, ErrorResponse):
                 return _json_answer(result.model_dump(), result.error.code)
             chunk, stream_state = result
@@ -482,7 +484,10 @@ class DerenderEngine(CodeAPI):
             result = await self._serving.derender_completion_response(request)
         if isinstance(result, ErrorResponse):
             return _json_answer(result.model_dump(), result.error.code)
-        return _json_answer(result.model_dump(), spliced=self._serving.online_derenderer.spliced)
+        spliced = self._serving.online_derenderer.spliced
+        if self.decode == "fast" and plain_model(result):
+            return _json_answer(result.model_dump(), spliced=spliced, plain=True)
+        return _json_answer(result.model_dump(), spliced=spliced)
 
     def _validation_answer(self, errors: list[dict[str, Any]]) -> Answer:
         from fastapi.exceptions import RequestValidationError
@@ -518,6 +523,19 @@ class DerenderEngine(CodeAPI):
                 raise
             return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
+
+
+@functools.cache
+def _dispatch_types() -> tuple[tuple[type, ...], type]:
+    """The streaming request classes and vLLM's error response class,
+    imported once rather than on every call."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        DerenderChatStreamRequest,
+        DerenderCompletionStreamRequest,
+    )
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    return (DerenderChatStreamRequest, DerenderCompletionStreamRequest), ErrorResponse
 
 
 def _checked_decode(decode: str) -> str:
@@ -601,7 +619,9 @@ def _body_adapter(union: Any) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[union, Body()])
 
 
-def _json_answer(content: Any, status: int = 200, spliced: Sequence[str | None] = ()) -> Answer:
+def _json_answer(
+    content: Any, status: int = 200, spliced: Sequence[str | None] = (), *, plain: bool = False
+) -> Answer:
     """Serialize as the handlers' ``JSONResponse(content=...)`` does, so the
     bytes, and the failures on non-finite floats, match the server's.
 
@@ -609,21 +629,158 @@ def _json_answer(content: Any, status: int = 200, spliced: Sequence[str | None] 
     derenderer wrote it directly (`fast.FastDerenderer`): the choice carries
     a placeholder string while the rest serialises, and the JSON takes the
     placeholder's place, so the bytes are those the models would give.
-    """
-    from fastapi.responses import JSONResponse
 
+    `plain` says the content came from a `plain_model` response: it holds
+    only dicts with string keys, lists, strings, ints, bools and None, so
+    ``orjson.dumps`` writes the bytes ``JSONResponse`` writes (`plain_json`);
+    where orjson refuses it (an int past 64 bits, a lone surrogate, a
+    subclass), ``JSONResponse`` answers as before. Without splices the
+    answer keeps `content` as its body: a JSON round trip of a plain tree
+    gives an equal one.
+    """
     marks = []
     for index, rendered in enumerate(spliced):
         if rendered is not None:
             content["choices"][index]["logprobs"] = f"{_SPLICE_MARK}{index}"
             marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
-    try:
-        raw = bytes(JSONResponse(content=content, status_code=status).body)
-    except (ValueError, TypeError) as exc:
-        return _unserialisable(exc)
+    raw = plain_json(content) if plain else None
+    if raw is None:
+        from fastapi.responses import JSONResponse
+
+        try:
+            raw = bytes(JSONResponse(content=content, status_code=status).body)
+        except (ValueError, TypeError) as exc:
+            return _unserialisable(exc)
+    elif not marks:
+        answer = Answer(status, raw)
+        answer.body = content  # in place of Answer.body's parse (a cached_property)
+        return answer
     for mark, rendered in marks:
         raw = raw.replace(mark, rendered, 1)
     return Answer(status, raw)
+
+
+_PLAIN_OPTIONS = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"not a plain JSON value: {type(value).__name__}")
+
+
+def plain_json(content: Any) -> bytes | None:
+    """``JSONResponse``'s bytes for a plain tree (dicts with string keys,
+    lists, and str, int, bool and None leaves), or None where orjson
+    refuses it.
+
+    For these types the two writers agree: compact separators, keys in
+    order, integers in decimal, and strings escaped alike (``"``, ``\\``,
+    the C0 controls with the same short forms, everything else written as
+    UTF-8; checked over every code point in `tests/test_plain_response.py`).
+    They differ on floats (``1e-05`` against ``0.00001``), which a plain
+    tree does not hold, and orjson refuses what ``JSONResponse`` would write
+    differently or fail on: lone surrogates, ints past 64 bits, keys that
+    are not strings, and (with these options and `_refuse`) subclasses,
+    dataclasses and dates. It would write UUIDs, enums and floats its own
+    way, so a caller passes only a tree `plain_model` vouches for.
+    """
+    try:
+        return orjson.dumps(content, default=_refuse, option=_PLAIN_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError among them
+        return None
+
+
+def plain_model(model: Any) -> bool:
+    """Whether ``model.model_dump()`` is a plain tree (`plain_json`).
+
+    Each model class's fields are sorted once by their annotation
+    (`_field_plan`): str, int, bool, None, string or int literals and lists
+    of these dump as themselves once validated; nested models are checked
+    the same way; any other field (a float, a dict of anything, a
+    ``PerRequestMetrics``) must be None. A model holding extra fields, or
+    of a class whose serializers are not known to keep a plain tree plain,
+    is not plain.
+    """
+    plan = _field_plan(type(model))
+    if plan is None or model.__pydantic_extra__:
+        return False
+    for name, kind in plan:
+        value = getattr(model, name)
+        if value is None:
+            continue
+        if kind is _FREE:
+            return False
+        if kind is _MODEL:
+            if not plain_model(value):
+                return False
+        elif not all(plain_model(item) for item in value):  # _MODELS
+            return False
+    return True
+
+
+_FREE, _MODEL, _MODELS = "free", "model", "models"
+
+
+@functools.cache
+def _field_plan(cls: type) -> tuple[tuple[str, str], ...] | None:
+    """The fields of `cls` that `plain_model` must look at, with how; None
+    for a class it cannot vouch for."""
+    from pydantic import BaseModel
+
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return None
+    decorators = cls.__pydantic_decorators__
+    if decorators.field_serializers or decorators.computed_fields:
+        return None
+    serializers = {d.func for d in decorators.model_serializers.values()}
+    if not serializers <= _known_serializers():
+        return None
+    plan = []
+    for name, field in cls.model_fields.items():
+        if field.exclude:
+            continue
+        kind = _annotation_kind(field.annotation)
+        if kind is not None:
+            plan.append((name, kind))
+    return tuple(plan)
+
+
+@functools.cache
+def _known_serializers() -> frozenset[Any]:
+    """Model serializers read and known to keep a plain dump plain:
+    ``ChatMessage`` drops an empty ``tool_calls`` from its dump."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
+
+    return frozenset(d.func for d in ChatMessage.__pydantic_decorators__.model_serializers.values())
+
+
+_LEAVES = (str, int, bool, type(None))
+
+
+def _annotation_kind(annotation: Any) -> str | None:
+    """None for a field whose validated value dumps as a plain leaf or a
+    list of them; `_MODEL` or `_MODELS` for nested models (or None);
+    `_FREE` for anything else."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    if annotation in _LEAVES:
+        return None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _MODEL
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return None if all(type(arg) in _LEAVES for arg in args) else _FREE
+    if origin in (typing.Union, types.UnionType):
+        kinds = {_annotation_kind(arg) for arg in args if arg is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else _FREE
+    if origin is list and len(args) == 1:
+        inner = _annotation_kind(args[0])
+        if inner is None:
+            return None
+        return _MODELS if inner is _MODEL else _FREE
+    return _FREE
 
 
 _SPLICE_MARK = f"\x00derender-logprobs-{uuid.uuid4().hex}-"
