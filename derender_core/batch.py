@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import check_body
+from .checks import PassedPrompts, check_body
 from .errors import ExitStatus, RecordError, StreamFailure
 from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
@@ -203,6 +203,7 @@ class RecordProcessor:
         self.job = job
         self.ledger = StreamLedger()
         self.prompts = PromptRenderer(engine)
+        self.passed = PassedPrompts()
 
     def process(self, record: Record) -> Outcome:
         """The outcome of one record; never raises for a record, whatever
@@ -241,7 +242,9 @@ class RecordProcessor:
         """The outcome of a derender body: checked, then answered."""
         engine, job = self.engine, self.job
         if not job.lenient:
-            problem_found = check_body(body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size)
+            problem_found = check_body(
+                body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size, passed=self.passed
+            )
             if problem_found is not None:
                 return self._refused(body, engine.bad_request(problem_found))
         tokens = generated_tokens(body)

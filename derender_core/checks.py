@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+import orjson
+
 from .protocol import Endpoint
 
 _RESPONSE_KEYS = ("generate_response", "generate_responses")
@@ -32,15 +34,43 @@ class _Found(Exception):
     """The first problem found; its message names the field."""
 
 
-def check_body(body: Any, endpoint: Endpoint, *, stream: bool, vocab_size: int) -> str | None:
+class PassedPrompts:
+    """Prompt id lists that passed the checks, as their JSON bytes: every
+    call of a stream carries its prompt again, and checking it again on
+    every chunk cost more than the chunk's own work. Equal bytes are the
+    same JSON (``1``, ``1.0`` and ``true`` differ in bytes; a list that
+    passed holds integers only), so the check's result is the same.
+    Kept up to `budget` bytes in all, then forgotten at once."""
+
+    def __init__(self, budget: int = 16 << 20) -> None:
+        self._passed: set[bytes] = set()
+        self._size = 0
+        self._budget = budget
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._passed
+
+    def add(self, key: bytes) -> None:
+        if self._size + len(key) > self._budget:
+            self._passed.clear()
+            self._size = 0
+        if key not in self._passed:
+            self._passed.add(key)
+            self._size += len(key)
+
+
+def check_body(
+    body: Any, endpoint: Endpoint, *, stream: bool, vocab_size: int, passed: PassedPrompts | None = None
+) -> str | None:
     """The first problem in a body, as ``field: problem``, or None.
 
     `vocab_size` is the tokenizer's full size, added tokens included: ids at
-    or above it decode as nothing.
+    or above it decode as nothing. `passed`, kept by the caller across
+    calls (of one vocabulary), spares a stream's prompt a check per chunk.
     """
     if not isinstance(body, Mapping):
         return None  # the server's validation words this
-    checker = _Checker(vocab_size)
+    checker = _Checker(vocab_size, passed)
     try:
         _check_shape(body, stream)
         request = body.get(endpoint.request_key)
@@ -84,8 +114,9 @@ def _requested_choices(request: Any) -> int | None:
 
 
 class _Checker:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, passed: PassedPrompts | None = None) -> None:
         self.vocab_size = vocab_size
+        self.passed = passed
 
     # --- the three kinds of call -------------------------------------------
 
@@ -123,7 +154,7 @@ class _Checker:
                         self.ids(f"{path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
                         self.logprobs(f"{path}.logprobs", choice.get("logprobs"))
             self.ids("generate_chunk.prompt_token_ids", chunk.get("prompt_token_ids"), negatives_checked_by_vllm=True)
-        self.ids("prompt_token_ids", body.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.prompt_ids(body.get("prompt_token_ids"))
         self.count("prompt_tokens", body.get("prompt_tokens"))
         state = body.get("stream_state")
         if isinstance(state, Mapping):  # a captured state, sent as it is
@@ -225,6 +256,23 @@ class _Checker:
             return
         for j, token_id in enumerate(ids):
             self.id(f"{path}[{j}]", token_id, negatives_checked_by_vllm=negatives_checked_by_vllm)
+
+    def prompt_ids(self, ids: Any) -> None:
+        """A stream call's ``prompt_token_ids``, checked once per distinct
+        list where `passed` remembers the lists that passed."""
+        passed = self.passed
+        if passed is None or not isinstance(ids, list):
+            self.ids("prompt_token_ids", ids, negatives_checked_by_vllm=True)
+            return
+        try:
+            key = orjson.dumps(ids)
+        except TypeError:  # an integer beyond 64 bits, say: checked each time
+            key = None
+        if key is not None and key in passed:
+            return
+        self.ids("prompt_token_ids", ids, negatives_checked_by_vllm=True)
+        if key is not None:
+            passed.add(key)  # reached only when no problem was found
 
     def id(self, path: str, token_id: Any, *, negatives_checked_by_vllm: bool) -> None:
         if not self.integer(path, token_id, "a token id"):

@@ -13,6 +13,7 @@ vLLM set up, in the process that logged them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -86,31 +87,53 @@ def _one_line(record: logging.LogRecord, error: BaseException | None) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-@contextlib.contextmanager
-def _routed(sink: Callable[[LogLine], None], verbose: bool) -> Iterator[None]:
+class _Routed:
     """vLLM's log records go to `sink` while the block runs (and, with
-    `verbose`, on to vLLM's own handlers in full)."""
-    logger = logging.getLogger(VLLM_LOGGER)
-    original = logger.handlers[:]
-    # Nested in another collection (a record's, inside its run's), pass on
-    # to vLLM's own handlers, not to the outer collector: a record's lines
-    # are counted once, through its outcome.
-    beneath = [
-        inner
-        for handler in original
-        for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
-    ]
-    # Collectors are reused: this runs once per record, and building a
-    # logging.Handler (its lock, its registration) cost more than the rest.
-    collector = _idle_collectors.pop() if _idle_collectors else _Collector(sink, [])
-    collector._sink, collector._passthrough = sink, beneath if verbose else []
-    logger.handlers = [collector]
-    try:
-        yield
-    finally:
-        logger.handlers = original
+    `verbose`, on to vLLM's own handlers in full).
+
+    A class rather than a generator: it runs once per record, and the
+    generator's machinery cost more than the routing."""
+
+    __slots__ = ("_sink", "_verbose", "_original", "_collector")
+
+    def __init__(self, sink: Callable[[LogLine], None], verbose: bool) -> None:
+        self._sink = sink
+        self._verbose = verbose
+
+    def __enter__(self) -> None:
+        logger = _vllm_logger()
+        original = self._original = logger.handlers[:]
+        collector = self._collector = _idle_collectors.pop() if _idle_collectors else _Collector(_drop, [])
+        collector._sink = self._sink
+        # Nested in another collection (a record's, inside its run's), pass
+        # on to vLLM's own handlers, not to the outer collector: a record's
+        # lines are counted once, through its outcome.
+        collector._passthrough = (
+            [
+                inner
+                for handler in original
+                for inner in (handler._passthrough if isinstance(handler, _Collector) else [handler])
+            ]
+            if self._verbose
+            else []
+        )
+        logger.handlers = [collector]
+
+    def __exit__(self, *exc_info: object) -> None:
+        _vllm_logger().handlers = self._original
+        collector = self._collector
         collector._sink, collector._passthrough = _drop, []
+        # Collectors are reused: building a logging.Handler (its lock, its
+        # registration) per record cost more than the rest.
         _idle_collectors.append(collector)
+
+
+_routed = _Routed
+
+
+@functools.cache
+def _vllm_logger() -> logging.Logger:
+    return logging.getLogger(VLLM_LOGGER)
 
 
 _idle_collectors: list[_Collector] = []
@@ -120,12 +143,22 @@ def _drop(line: LogLine) -> None:
     """The sink of an idle collector."""
 
 
-@contextlib.contextmanager
-def collected_vllm_logs(*, verbose: bool) -> Iterator[list[LogLine]]:
-    """The vLLM log records of the block, as lines."""
-    lines: list[LogLine] = []
-    with _routed(lines.append, verbose):
-        yield lines
+class collected_vllm_logs:  # noqa: N801 - used as the context manager function it was
+    """The vLLM log records of the block, as lines: ``with
+    collected_vllm_logs(verbose=False) as lines: ...``."""
+
+    __slots__ = ("_lines", "_routed")
+
+    def __init__(self, *, verbose: bool) -> None:
+        self._lines: list[LogLine] = []
+        self._routed = _Routed(self._lines.append, verbose)
+
+    def __enter__(self) -> list[LogLine]:
+        self._routed.__enter__()
+        return self._lines
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._routed.__exit__()
 
 
 @contextlib.contextmanager
