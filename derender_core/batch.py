@@ -309,16 +309,16 @@ def stream_key(record: Record, job: Job) -> str | None:
 
 def generated_tokens(body: Any) -> int:
     """The generated token ids a derender body carries, in all its choices."""
-    if not isinstance(body, Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)):
         return 0
     responses = body.get("generate_responses")
     if not isinstance(responses, list):
         responses = [body.get("generate_response") or body.get("generate_chunk")]
     total = 0
     for response in responses:
-        choices = response.get("choices") if isinstance(response, Mapping) else None
+        choices = response.get("choices") if (type(response) is dict or isinstance(response, Mapping)) else None
         for choice in choices if isinstance(choices, list) else ():
-            token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
+            token_ids = choice.get("token_ids") if (type(choice) is dict or isinstance(choice, Mapping)) else None
             total += len(token_ids) if isinstance(token_ids, list) else 0
     return total
 

@@ -68,14 +68,14 @@ def check_body(
     or above it decode as nothing. `passed`, kept by the caller across
     calls (of one vocabulary), spares a stream's prompt a check per chunk.
     """
-    if not isinstance(body, Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)):
         return None  # the server's validation words this
     checker = _Checker(vocab_size, passed)
     try:
         _check_shape(body, stream)
         request = body.get(endpoint.request_key)
         n = _requested_choices(request)
-        n_source = f"{endpoint.request_key}.n" if isinstance(request, Mapping) else None
+        n_source = f"{endpoint.request_key}.n" if (type(request) is dict or isinstance(request, Mapping)) else None
         if stream:
             checker.stream_call(body, n, n_source)
         elif endpoint is Endpoint.CHAT:
@@ -107,7 +107,7 @@ def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
 def _requested_choices(request: Any) -> int | None:
     """``n`` of the original request (its default 1 when unset); None
     without a request, when only the choices themselves can be checked."""
-    if not isinstance(request, Mapping):
+    if not (type(request) is dict or isinstance(request, Mapping)):
         return None
     n = request.get("n")
     return n if type(n) is int and n >= 1 else 1
@@ -142,13 +142,13 @@ class _Checker:
 
     def stream_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
         chunk = body.get("generate_chunk")
-        if isinstance(chunk, Mapping):
+        if (type(chunk) is dict or isinstance(chunk, Mapping)):
             choices = chunk.get("choices")
             # vLLM refuses more than one choice per chunk in its own words.
             if isinstance(choices, list) and len(choices) == 1:
                 for i, choice in enumerate(choices):
                     path = f"generate_chunk.choices[{i}]"
-                    if isinstance(choice, Mapping):
+                    if (type(choice) is dict or isinstance(choice, Mapping)):
                         self.index(f"{path}.index", choice.get("index"), n, n_source)
                         # A stream chunk's ids are plain ints to vLLM: negatives pass.
                         self.ids(f"{path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
@@ -157,7 +157,7 @@ class _Checker:
         self.prompt_ids(body.get("prompt_token_ids"))
         self.count("prompt_tokens", body.get("prompt_tokens"))
         state = body.get("stream_state")
-        if isinstance(state, Mapping):  # a captured state, sent as it is
+        if (type(state) is dict or isinstance(state, Mapping)):  # a captured state, sent as it is
             for key in ("output_token_ids", "logprob_context_token_ids"):
                 self.ids(f"stream_state.{key}", state.get(key), negatives_checked_by_vllm=False)
 
@@ -166,20 +166,20 @@ class _Checker:
     def response(
         self, path: str, response: Any, n: int | None, n_source: str | None, *, positional: bool
     ) -> None:
-        if not isinstance(response, Mapping):
+        if not (type(response) is dict or isinstance(response, Mapping)):
             return
         choices = response.get("choices")
         if isinstance(choices, list):
             self.choice_indices(f"{path}.choices", choices, n, n_source, positional=positional)
             for i, choice in enumerate(choices):
-                if isinstance(choice, Mapping):
+                if (type(choice) is dict or isinstance(choice, Mapping)):
                     choice_path = f"{path}.choices[{i}]"
                     self.ids(f"{choice_path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=True)
                     self.logprobs(f"{choice_path}.logprobs", choice.get("logprobs"))
         self.ids(f"{path}.prompt_token_ids", response.get("prompt_token_ids"), negatives_checked_by_vllm=True)
 
     def logprobs(self, path: str, logprobs: Any) -> None:
-        content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+        content = logprobs.get("content") if (type(logprobs) is dict or isinstance(logprobs, Mapping)) else None
         if not isinstance(content, list):
             return
         # The common case, every id good, without a call per id; the walk
@@ -192,7 +192,7 @@ class _Checker:
         if ids and self.all_good(ids, negatives_checked_by_vllm=False):
             return
         for k, entry in enumerate(content):
-            if not isinstance(entry, Mapping):
+            if not (type(entry) is dict or isinstance(entry, Mapping)):
                 continue
             entry_path = f"{path}.content[{k}]"
             # Logprob token ids are plain ints to vLLM: negatives pass.
@@ -200,7 +200,7 @@ class _Checker:
             top = entry.get("top_logprobs")
             if isinstance(top, list):
                 for m, alternative in enumerate(top):
-                    if isinstance(alternative, Mapping):
+                    if (type(alternative) is dict or isinstance(alternative, Mapping)):
                         self.id(
                             f"{entry_path}.top_logprobs[{m}].token_id",
                             alternative.get("token_id"),
@@ -212,7 +212,7 @@ class _Checker:
     ) -> None:
         seen: dict[int, int] = {}
         for i, choice in enumerate(choices):
-            if not isinstance(choice, Mapping):
+            if not (type(choice) is dict or isinstance(choice, Mapping)):
                 continue
             index = choice.get("index")
             if not self.index(f"{path}[{i}].index", index, n if n is not None else len(choices), n_source):

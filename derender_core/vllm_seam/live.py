@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, overload
 
@@ -516,7 +517,7 @@ class ChunkLane:
     then runs the slow path, which gives the same answer for every body.
     """
 
-    def __init__(self, serving: Any, known: Mapping[str, KnownRequest]) -> None:
+    def __init__(self, serving: Any, known: OrderedDict[str, KnownRequest]) -> None:
         from vllm.entrypoints.scale_out.derender import serving as serving_module
 
         self.serving = serving
@@ -598,6 +599,7 @@ class ChunkLane:
             or not self.usable()
         ):
             return None
+        self.known.move_to_end(request_id)  # in use: the last to be forgotten
         stream = state.stream
         try:
             delta, _, _, _, new_state = stream.advance(token_ids, None, None, None, state)
