@@ -102,6 +102,21 @@ def _drop(key: str) -> Callable[[dict[str, Any]], None]:
     return lambda body: body.pop(key, None)
 
 
+def _in_prompt(change: Callable[[list[Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """A change to the body's prompt ids, where it still has them."""
+    return lambda body: change(body["prompt_token_ids"]) if isinstance(body.get("prompt_token_ids"), list) else None
+
+
+def _in_request(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A change to the body's chat request, where it still has one."""
+    return lambda body: body["chat_request"].__setitem__(key, value) if isinstance(body.get("chat_request"), dict) else None
+
+
+def _in_choice(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A change to the chunk's first choice, where it still has one."""
+    return lambda body: body["generate_chunk"]["choices"][0].__setitem__(key, value) if body["generate_chunk"].get("choices") else None
+
+
 # What a call of a live stream may carry that the lane must get right:
 # leave to the slow path, or take and answer as it does.
 VARIATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -113,25 +128,25 @@ VARIATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "prompt_tokens null": _set(("prompt_tokens",), None),
     "prompt_tokens a float": _set(("prompt_tokens",), 3.0),
     "prompt_tokens true": _set(("prompt_tokens",), True),
-    "request changed": _set(("chat_request", "max_tokens"), 50_000),
-    "request equal in Python, not in JSON": _set(("chat_request", "max_tokens"), 40_000.0),
-    "request true for 1": _set(("chat_request", "n"), True),
-    "request with stop strings": _set(("chat_request", "stop"), ["zz"]),
-    "request returning token ids": _set(("chat_request", "return_token_ids"), True),
+    "request changed": _in_request("max_tokens", 50_000),
+    "request equal in Python, not in JSON": _in_request("max_tokens", 40_000.0),
+    "request true for 1": _in_request("n", True),
+    "request with stop strings": _in_request("stop", ["zz"]),
+    "request returning token ids": _in_request("return_token_ids", True),
     "no request": _drop("chat_request"),
-    "prompt changed": lambda body: body["prompt_token_ids"].__setitem__(0, 13),
-    "prompt equal in Python, not in JSON": lambda body: body["prompt_token_ids"].__setitem__(-1, float(body["prompt_token_ids"][-1])),
+    "prompt changed": _in_prompt(lambda ids: ids.__setitem__(0, 13)),
+    "prompt equal in Python, not in JSON": _in_prompt(lambda ids: ids.__setitem__(-1, float(ids[-1]))),
     "no prompt": _drop("prompt_token_ids"),
-    "a token id as a float": lambda body: body["generate_chunk"]["choices"][0].__setitem__("token_ids", [1.0]),
-    "a negative token id": _set(("generate_chunk", "choices", 0, "token_ids"), [-1]),
-    "no token ids": _set(("generate_chunk", "choices", 0, "token_ids"), []),
-    "null token ids": _set(("generate_chunk", "choices", 0, "token_ids"), None),
-    "index as a float": _set(("generate_chunk", "choices", 0, "index"), 0.0),
-    "index 1 of n=1": _set(("generate_chunk", "choices", 0, "index"), 1),
-    "a stop reason": _set(("generate_chunk", "choices", 0, "stop_reason"), 7),
-    "a finish reason": _set(("generate_chunk", "choices", 0, "finish_reason"), "length"),
-    "an extra choice field": _set(("generate_chunk", "choices", 0, "extra"), 1),
-    "two choices": lambda body: body["generate_chunk"]["choices"].append(copy.deepcopy(body["generate_chunk"]["choices"][0])),
+    "a token id as a float": _in_choice("token_ids", [1.0]),
+    "a negative token id": _in_choice("token_ids", [-1]),
+    "no token ids": _in_choice("token_ids", []),
+    "null token ids": _in_choice("token_ids", None),
+    "index as a float": _in_choice("index", 0.0),
+    "index 1 of n=1": _in_choice("index", 1),
+    "a stop reason": _in_choice("stop_reason", 7),
+    "a finish reason": _in_choice("finish_reason", "length"),
+    "an extra choice field": _in_choice("extra", 1),
+    "two choices": lambda body: body["generate_chunk"]["choices"].extend(copy.deepcopy(body["generate_chunk"]["choices"][:1])),
     "no choices": _set(("generate_chunk", "choices"), []),
     "usage": _set(("generate_chunk", "usage"), {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}),
     "metrics null": _set(("generate_chunk", "metrics"), None),

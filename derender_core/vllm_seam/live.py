@@ -416,7 +416,6 @@ class _Layout:
 
     chunk: dict[str, Any]
     choice: dict[str, Any]
-    delta_fields: tuple[str, ...]
     generate_fields: frozenset[str]
     """The generate chunk's fields, each None unless it is one of
     ``request_id``, ``choices`` and ``output_mode``."""
@@ -455,27 +454,26 @@ def _layout() -> _Layout | None:
         return None
     if any(value is not None for key, value in choice.items() if key not in ("index", "delta")):
         return None
-    delta_fields = ("role", "content", "reasoning")
     if list(DeltaMessage(role="r", content="c", reasoning="x").model_dump().items()) != list(
-        zip(delta_fields, ("r", "c", "x"), strict=True)
+        zip(_PLAIN_DELTA, ("r", "c", "x"), strict=True)
     ):
         return None
     generate_fields = frozenset(GenerateTokensStreamResponse.model_fields)
-    choice_fields = frozenset(GenerateTokensStreamChoice.model_fields)
+    generate_choice_fields = frozenset(GenerateTokensStreamChoice.model_fields)
     # Null is accepted for every field the lane lets be null.
     nulls = {key: None for key in generate_fields - {"request_id", "choices", "output_mode"}}
-    choice_nulls = {key: None for key in choice_fields - {"index"}}
+    choice_nulls = {key: None for key in generate_choice_fields - {"index"}}
     try:
         GenerateTokensStreamResponse.model_validate({**nulls, "request_id": "", "output_mode": "tokens", "choices": [{**choice_nulls, "index": 0}]})
     except Exception:  # noqa: BLE001 - any refusal means: no lane
         return None
-    chunk_fields = {**probe, "choices": None}
-    choice_fields_ = {**choice, "delta": None}
+    chunk_template = {**probe, "choices": None}
+    choice_template = {**choice, "delta": None}
     # The chunk's bytes around what varies: the rest as orjson writes it.
     marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00delta\x00")
     marked = orjson.dumps(
-        {**chunk_fields, "id": marks[0], "created": marks[1], "model": marks[2],
-         "choices": [{**choice_fields_, "index": marks[3], "delta": marks[4]}]}  # fmt: skip
+        {**chunk_template, "id": marks[0], "created": marks[1], "model": marks[2],
+         "choices": [{**choice_template, "index": marks[3], "delta": marks[4]}]}  # fmt: skip
     )
     parts = []
     for mark in marks:
@@ -485,11 +483,10 @@ def _layout() -> _Layout | None:
         parts.append(head)
     parts.append(marked)
     return _Layout(
-        chunk=chunk_fields,
-        choice=choice_fields_,
-        delta_fields=delta_fields,
+        chunk=chunk_template,
+        choice=choice_template,
         generate_fields=generate_fields,
-        generate_choice_fields=choice_fields,
+        generate_choice_fields=generate_choice_fields,
         parts=tuple(parts),
     )
 
@@ -608,20 +605,24 @@ class ChunkLane:
             self.handler_logger.debug("derender stream replay failed: %s: %s", type(exc).__name__, exc)
             error = self.serving.create_error_response("invalid stream_state: derender failed")
             return _json_answer(error.model_dump(), error.error.code)
-        if (
+        plain = (
             type(delta) is DeltaMessage
             and not delta.tool_calls
             and not delta.__pydantic_extra__
             and type(delta.role) in _TEXT
             and type(delta.content) in _TEXT
             and type(delta.reasoning) in _TEXT
-        ):
+        )
+        if plain:
             delta_fields: dict[str, Any] = {"role": delta.role, "content": delta.content, "reasoning": delta.reasoning}
         else:
             delta_fields = delta.model_dump()
         created = int(time.time())
         model_name = model or self.serving.models.model_name()
-        if stream.state_checked:
+        # Anything but text (a tool call, a parser's extra field, which may
+        # hold a float orjson writes otherwise) is written as the slow path
+        # writes it.
+        if plain and stream.state_checked:
             try:
                 raw = layout.render(request_id, created, model_name, index, delta_fields)
             except TypeError:  # a string that is not UTF-8: json words the failure
@@ -643,4 +644,6 @@ class ChunkLane:
 
 
 _PLAIN_CHUNK = frozenset({"request_id", "choices"})
+_PLAIN_DELTA = ("role", "content", "reasoning")
+"""A text delta's fields, in the order ``DeltaMessage`` dumps them."""
 _TEXT = (str, type(None))
