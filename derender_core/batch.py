@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import check_body
+from .checks import PassedPrompts, check_body
 from .errors import ExitStatus, RecordError, StreamFailure
 from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
@@ -204,6 +204,7 @@ class RecordProcessor:
         self.job = job
         self.ledger = StreamLedger()
         self.prompts = PromptRenderer(engine)
+        self.passed = PassedPrompts()
 
     def process(self, record: Record) -> Outcome:
         """The outcome of one record; never raises for a record, whatever
@@ -242,7 +243,9 @@ class RecordProcessor:
         """The outcome of a derender body: checked, then answered."""
         engine, job = self.engine, self.job
         if not job.lenient:
-            problem_found = check_body(body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size)
+            problem_found = check_body(
+                body, job.endpoint, stream=job.stream, vocab_size=engine.vocab_size, passed=self.passed
+            )
             if problem_found is not None:
                 return self._refused(body, engine.bad_request(problem_found))
         tokens = generated_tokens(body)
@@ -307,16 +310,16 @@ def stream_key(record: Record, job: Job) -> str | None:
 
 def generated_tokens(body: Any) -> int:
     """The generated token ids a derender body carries, in all its choices."""
-    if not isinstance(body, Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)):
         return 0
     responses = body.get("generate_responses")
     if not isinstance(responses, list):
         responses = [body.get("generate_response") or body.get("generate_chunk")]
     total = 0
     for response in responses:
-        choices = response.get("choices") if isinstance(response, Mapping) else None
+        choices = response.get("choices") if (type(response) is dict or isinstance(response, Mapping)) else None
         for choice in choices if isinstance(choices, list) else ():
-            token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
+            token_ids = choice.get("token_ids") if (type(choice) is dict or isinstance(choice, Mapping)) else None
             total += len(token_ids) if isinstance(token_ids, list) else 0
     return total
 

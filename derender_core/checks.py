@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+import orjson
+
 from .protocol import Endpoint
 
 _RESPONSE_KEYS = ("generate_response", "generate_responses")
@@ -32,20 +34,48 @@ class _Found(Exception):
     """The first problem found; its message names the field."""
 
 
-def check_body(body: Any, endpoint: Endpoint, *, stream: bool, vocab_size: int) -> str | None:
+class PassedPrompts:
+    """Prompt id lists that passed the checks, as their JSON bytes: every
+    call of a stream carries its prompt again, and checking it again on
+    every chunk cost more than the chunk's own work. Equal bytes are the
+    same JSON (``1``, ``1.0`` and ``true`` differ in bytes; a list that
+    passed holds integers only), so the check's result is the same.
+    Kept up to `budget` bytes in all, then forgotten at once."""
+
+    def __init__(self, budget: int = 16 << 20) -> None:
+        self._passed: set[bytes] = set()
+        self._size = 0
+        self._budget = budget
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._passed
+
+    def add(self, key: bytes) -> None:
+        if self._size + len(key) > self._budget:
+            self._passed.clear()
+            self._size = 0
+        if key not in self._passed:
+            self._passed.add(key)
+            self._size += len(key)
+
+
+def check_body(
+    body: Any, endpoint: Endpoint, *, stream: bool, vocab_size: int, passed: PassedPrompts | None = None
+) -> str | None:
     """The first problem in a body, as ``field: problem``, or None.
 
     `vocab_size` is the tokenizer's full size, added tokens included: ids at
-    or above it decode as nothing.
+    or above it decode as nothing. `passed`, kept by the caller across
+    calls (of one vocabulary), spares a stream's prompt a check per chunk.
     """
-    if not isinstance(body, Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)):
         return None  # the server's validation words this
-    checker = _Checker(vocab_size)
+    checker = _Checker(vocab_size, passed)
     try:
         _check_shape(body, stream)
         request = body.get(endpoint.request_key)
         n = _requested_choices(request)
-        n_source = f"{endpoint.request_key}.n" if isinstance(request, Mapping) else None
+        n_source = f"{endpoint.request_key}.n" if (type(request) is dict or isinstance(request, Mapping)) else None
         if stream:
             checker.stream_call(body, n, n_source)
         elif endpoint is Endpoint.CHAT:
@@ -77,15 +107,16 @@ def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
 def _requested_choices(request: Any) -> int | None:
     """``n`` of the original request (its default 1 when unset); None
     without a request, when only the choices themselves can be checked."""
-    if not isinstance(request, Mapping):
+    if not (type(request) is dict or isinstance(request, Mapping)):
         return None
     n = request.get("n")
     return n if type(n) is int and n >= 1 else 1
 
 
 class _Checker:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, passed: PassedPrompts | None = None) -> None:
         self.vocab_size = vocab_size
+        self.passed = passed
 
     # --- the three kinds of call -------------------------------------------
 
@@ -111,22 +142,22 @@ class _Checker:
 
     def stream_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
         chunk = body.get("generate_chunk")
-        if isinstance(chunk, Mapping):
+        if (type(chunk) is dict or isinstance(chunk, Mapping)):
             choices = chunk.get("choices")
             # vLLM refuses more than one choice per chunk in its own words.
             if isinstance(choices, list) and len(choices) == 1:
                 for i, choice in enumerate(choices):
                     path = f"generate_chunk.choices[{i}]"
-                    if isinstance(choice, Mapping):
+                    if (type(choice) is dict or isinstance(choice, Mapping)):
                         self.index(f"{path}.index", choice.get("index"), n, n_source)
                         # A stream chunk's ids are plain ints to vLLM: negatives pass.
                         self.ids(f"{path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
                         self.logprobs(f"{path}.logprobs", choice.get("logprobs"))
             self.ids("generate_chunk.prompt_token_ids", chunk.get("prompt_token_ids"), negatives_checked_by_vllm=True)
-        self.ids("prompt_token_ids", body.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.prompt_ids(body.get("prompt_token_ids"))
         self.count("prompt_tokens", body.get("prompt_tokens"))
         state = body.get("stream_state")
-        if isinstance(state, Mapping):  # a captured state, sent as it is
+        if (type(state) is dict or isinstance(state, Mapping)):  # a captured state, sent as it is
             for key in ("output_token_ids", "logprob_context_token_ids"):
                 self.ids(f"stream_state.{key}", state.get(key), negatives_checked_by_vllm=False)
 
@@ -135,20 +166,20 @@ class _Checker:
     def response(
         self, path: str, response: Any, n: int | None, n_source: str | None, *, positional: bool
     ) -> None:
-        if not isinstance(response, Mapping):
+        if not (type(response) is dict or isinstance(response, Mapping)):
             return
         choices = response.get("choices")
         if isinstance(choices, list):
             self.choice_indices(f"{path}.choices", choices, n, n_source, positional=positional)
             for i, choice in enumerate(choices):
-                if isinstance(choice, Mapping):
+                if (type(choice) is dict or isinstance(choice, Mapping)):
                     choice_path = f"{path}.choices[{i}]"
                     self.ids(f"{choice_path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=True)
                     self.logprobs(f"{choice_path}.logprobs", choice.get("logprobs"))
         self.ids(f"{path}.prompt_token_ids", response.get("prompt_token_ids"), negatives_checked_by_vllm=True)
 
     def logprobs(self, path: str, logprobs: Any) -> None:
-        content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+        content = logprobs.get("content") if (type(logprobs) is dict or isinstance(logprobs, Mapping)) else None
         if not isinstance(content, list):
             return
         # The common case, every id good, without a call per id; the walk
@@ -161,7 +192,7 @@ class _Checker:
         if ids and self.all_good(ids, negatives_checked_by_vllm=False):
             return
         for k, entry in enumerate(content):
-            if not isinstance(entry, Mapping):
+            if not (type(entry) is dict or isinstance(entry, Mapping)):
                 continue
             entry_path = f"{path}.content[{k}]"
             # Logprob token ids are plain ints to vLLM: negatives pass.
@@ -169,7 +200,7 @@ class _Checker:
             top = entry.get("top_logprobs")
             if isinstance(top, list):
                 for m, alternative in enumerate(top):
-                    if isinstance(alternative, Mapping):
+                    if (type(alternative) is dict or isinstance(alternative, Mapping)):
                         self.id(
                             f"{entry_path}.top_logprobs[{m}].token_id",
                             alternative.get("token_id"),
@@ -181,7 +212,7 @@ class _Checker:
     ) -> None:
         seen: dict[int, int] = {}
         for i, choice in enumerate(choices):
-            if not isinstance(choice, Mapping):
+            if not (type(choice) is dict or isinstance(choice, Mapping)):
                 continue
             index = choice.get("index")
             if not self.index(f"{path}[{i}].index", index, n if n is not None else len(choices), n_source):
@@ -225,6 +256,23 @@ class _Checker:
             return
         for j, token_id in enumerate(ids):
             self.id(f"{path}[{j}]", token_id, negatives_checked_by_vllm=negatives_checked_by_vllm)
+
+    def prompt_ids(self, ids: Any) -> None:
+        """A stream call's ``prompt_token_ids``, checked once per distinct
+        list where `passed` remembers the lists that passed."""
+        passed = self.passed
+        if passed is None or not isinstance(ids, list):
+            self.ids("prompt_token_ids", ids, negatives_checked_by_vllm=True)
+            return
+        try:
+            key = orjson.dumps(ids)
+        except TypeError:  # an integer beyond 64 bits, say: checked each time
+            key = None
+        if key is not None and key in passed:
+            return
+        self.ids("prompt_token_ids", ids, negatives_checked_by_vllm=True)
+        if key is not None:
+            passed.add(key)  # reached only when no problem was found
 
     def id(self, path: str, token_id: Any, *, negatives_checked_by_vllm: bool) -> None:
         if not self.integer(path, token_id, "a token id"):

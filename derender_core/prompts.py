@@ -58,7 +58,7 @@ def lacks_prompt(body: Any, endpoint: Endpoint) -> bool:
     """A derender body with the request to render a prompt from, and no
     prompt ids for some response: neither the body's own nor, as vLLM falls
     back to them, the generate response's."""
-    if not isinstance(body, Mapping) or not isinstance(body.get(endpoint.request_key), Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)) or not isinstance(body.get(endpoint.request_key), Mapping):
         return False
     given = body.get("prompt_token_ids")
     responses = body.get("generate_responses")
@@ -70,7 +70,7 @@ def lacks_prompt(body: Any, endpoint: Endpoint) -> bool:
 
 
 def _ids_of(output: Any) -> Any:
-    return output.get("prompt_token_ids") if isinstance(output, Mapping) else None
+    return output.get("prompt_token_ids") if (type(output) is dict or isinstance(output, Mapping)) else None
 
 
 def rendered_token_ids(answer: Answer) -> list[list[int]]:
@@ -140,7 +140,7 @@ class PromptRenderer:
 def prompt_divergences(renderer: PromptRenderer, endpoint: Endpoint, request_id: str, body: Any) -> list[Divergence]:
     """Where a derender body's own prompt ids differ from its request's
     rendering (one finding per prompt), or the request cannot be rendered."""
-    if not isinstance(body, Mapping) or not isinstance(body.get(endpoint.request_key), Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)) or not isinstance(body.get(endpoint.request_key), Mapping):
         return []
     given = body.get("prompt_token_ids")
     recorded = given if endpoint is Endpoint.COMPLETION else [given]

@@ -36,6 +36,8 @@ class Endpoint(str, Enum):
             ValueError: naming the endpoints, for anything else.
 
         """
+        if isinstance(value, cls):
+            return value
         try:
             return cls(value)
         except ValueError:
@@ -52,12 +54,12 @@ class Endpoint(str, Enum):
     def renders(self) -> bool:
         """A render endpoint: the body is an OpenAI request, the answer its
         ``GenerateRequest`` (a list of them for completions)."""
-        return self in (Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION)
+        return self._value_ in _RENDER_VALUES
 
     @property
     def request_key(self) -> str:
         """The body field that carries the original OpenAI request."""
-        return "chat_request" if self in (Endpoint.CHAT, Endpoint.RENDER_CHAT) else "completion_request"
+        return "chat_request" if self._value_ in _CHAT_VALUES else "completion_request"
 
     @property
     def render(self) -> Endpoint:
@@ -65,6 +67,8 @@ class Endpoint(str, Enum):
         return Endpoint.RENDER_CHAT if self.request_key == "chat_request" else Endpoint.RENDER_COMPLETION
 
 
+_RENDER_VALUES = frozenset({"render-chat", "render-completion"})
+_CHAT_VALUES = frozenset({"chat", "render-chat"})
 _PATHS = {
     Endpoint.CHAT: "/v1/chat/completions/derender",
     Endpoint.COMPLETION: "/v1/completions/derender",
@@ -168,7 +172,7 @@ class StreamAnswer(Answer):
 
     def __init__(
         self,
-        chunk: dict[str, Any],
+        chunk: dict[str, Any] | None,
         chunk_raw: bytes,
         state: Any,
         dump_state: Callable[[Any], bytes],
@@ -186,6 +190,11 @@ class StreamAnswer(Answer):
 
     @property
     def chunk(self) -> dict[str, Any]:
+        """The chunk; given as None, read from its bytes when asked for
+        (SSE output never asks), which gives the same values: the bytes
+        hold JSON's own types only."""
+        if self._chunk is None:
+            self._chunk = orjson.loads(self.chunk_raw)
         return self._chunk
 
     @property

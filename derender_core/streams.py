@@ -53,7 +53,7 @@ class ChunkFacts:
     def of(cls, body: Any, endpoint: Endpoint) -> ChunkFacts:
         """Read the facts from a body, tolerating any shape: a malformed
         body still gets its (error) answer from the engine."""
-        body = body if isinstance(body, Mapping) else {}
+        body = body if (type(body) is dict or isinstance(body, Mapping)) else {}
         chunk = _mapping(body.get("generate_chunk"))
         choices = chunk.get("choices")
         choices = choices if isinstance(choices, list) else []
@@ -76,7 +76,7 @@ class ChunkFacts:
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
+    return value if (type(value) is dict or isinstance(value, Mapping)) else {}
 
 
 @dataclass
@@ -109,7 +109,7 @@ class StreamLedger:
 
     def with_state(self, body: Any, facts: ChunkFacts) -> Any:
         """The body to send: with the carried state, unless it has its own."""
-        if facts.has_state or not isinstance(body, Mapping):
+        if facts.has_state or not (type(body) is dict or isinstance(body, Mapping)):
             return body
         stream = self._streams.get(facts.request_id)
         if stream is None:

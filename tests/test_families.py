@@ -26,6 +26,7 @@ import datetime
 import gc
 import io
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ from derender_core.coverage import FAMILIES, KNOWN_ISSUES, FamilyCase
 from derender_core.parity import Parity, requests_of
 from derender_core.prompts import PROMPT_MISSING
 from derender_core.records import Record
-from derender_core.writers import AssembledWriter, SseWriter
+from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests import decode_proof
 from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
 from tests.families import CASES, SPECS, family_markup, render_config
@@ -375,6 +376,49 @@ def test_live_equals_replay(run: Run) -> None:
     and every state is still replay's."""
     for number, (live, replay) in enumerate(zip(run.live, run.replay, strict=True), 1):
         assert normalize(live) == normalize(replay), f"call {number}"
+
+
+_TOOL_CALL_ID = re.compile(rb'\{"id":("(?:[^"\\]|\\.)*"),"type":"function"')
+
+
+def _with_streamed_tool_ids_of(mine: bytes, other: bytes) -> bytes:
+    """`other`'s bytes with its streamed tool-call ids (each family's own
+    form, random per stream) replaced by `mine`'s, in order of appearance."""
+    for theirs, ours in dict(zip(_TOOL_CALL_ID.findall(other), _TOOL_CALL_ID.findall(mine), strict=True)).items():
+        other = other.replace(theirs, ours)
+    return other
+
+
+def test_live_streams_are_replays_bytes(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live streaming on the fast decode, its chunk lane taking a stream's
+    usual calls (`live.ChunkLane`), gives replay's bytes on vLLM's own
+    decode: every SSE event, every JSONL line (chunk and state), key order
+    and escaping included."""
+    from derender_core.vllm_seam.live import ChunkLane
+
+    taken: list[bool] = []
+    answer = ChunkLane.answer
+
+    def counted(self: ChunkLane, body: Any) -> Any:
+        result = answer(self, body)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ChunkLane, "answer", counted)
+    lines = [orjson.dumps(body) for body in run.bodies]
+    job = Job(Endpoint.CHAT, stream=True)
+
+    def outputs(engine: DerenderEngine) -> list[bytes]:
+        sse, jsonl = io.BytesIO(), io.BytesIO()
+        run_lines(engine, job, lines, SseWriter(target=sse))
+        run_lines(engine, job, lines, JsonlWriter(jsonl))
+        return [normalized_bytes(sse.getvalue()), normalized_bytes(jsonl.getvalue())]
+
+    live = outputs(family.engine.in_mode(live=True))
+    assert sum(taken) > len(lines) // 3, "the lane took too few calls to prove anything"
+    replay = outputs(family.engine.in_mode(live=False, decode="reference"))
+    for name, mine, other in zip(("sse", "jsonl"), live, replay, strict=True):
+        assert mine == _with_streamed_tool_ids_of(mine, other), name
 
 
 def test_stream_assembles_to_the_one_shot_answer(family: Stack, run: Run) -> None:

@@ -24,10 +24,14 @@ history exactly as vLLM does, and goes live from there.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
+import orjson
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -36,6 +40,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    DerenderChatStreamRequest,
     DerenderStreamState,
     GenerateTokensStreamResponse,
 )
@@ -49,7 +54,9 @@ from vllm.renderers.online_derenderer import (
     _seed_stream_state,
 )
 
+from ..protocol import Answer, StreamAnswer
 from .fast import FastDerenderer
+from .render import _dump_state, _json_answer, _stream_answer
 
 
 class LiveDerenderer(FastDerenderer):
@@ -151,6 +158,9 @@ class _LiveStream:
         # stop token still in: after a finished step, or a step that
         # failed halfway, only a replay gives the same parser state.
         self.live = True
+        # Whether its states serialise (`render._checked_state`): that
+        # depends on `base` alone, so `ChunkLane` checks it once.
+        self.state_checked = False
 
     def snapshot(self) -> LiveState:
         return LiveState(
@@ -187,53 +197,13 @@ class _LiveStream:
     ) -> tuple[ChatCompletionStreamResponse, LiveState]:
         """The current chunk, as the replay path processes it after its
         replay (``_derender_chat_stream_parsed``), with vLLM's helpers."""
-        request = self.request
-        processor = self.processor
-        hide_metadata = processor.hide_metadata
-        return_token_ids = request.return_token_ids and not hide_metadata
+        return_token_ids = self.request.return_token_ids and not self.processor.hide_metadata
         stream_choices: list[ChatCompletionResponseStreamChoice] = []
         if generate_chunk.choices:
-            self.live = False  # until the step has gone through
             choice = generate_chunk.choices[0]
-            delta_tids = choice.token_ids or []
-            delta_message: DeltaMessage | None = None
-            finish_reason: str | None = None
-            text_tids, stop_reason = self.derenderer._drop_stop_token(
-                delta_tids, choice.finish_reason, choice.stop_reason, request
+            delta_message, finish_reason, stop_reason, resolved_logprobs, state = self.advance(
+                choice.token_ids or [], choice.finish_reason, choice.stop_reason, choice.logprobs, state
             )
-            if delta_tids or choice.finish_reason is not None:
-                text = self._decode(text_tids) if delta_tids else ""
-                delta_message, finish_reason = processor.step(
-                    text, delta_tids, choice.finish_reason, self.prompt_token_ids
-                )
-            if delta_tids:
-                self.token_ids.extend(delta_tids)
-                self.chunk_lens.append(len(delta_tids))
-
-            resolved_logprobs = None
-            if choice.logprobs is not None and not hide_metadata:
-                resolved_logprobs = _resolve_logprobs(
-                    choice.logprobs,
-                    self.tokenizer,
-                    initial_context_token_ids=list(state.logprob_context_token_ids),
-                    top_limit=_chat_top_logprobs_limit(request),
-                )
-            self.logprob_context = _logprob_context_tail(
-                list(state.logprob_context_token_ids), delta_tids
-            )
-            if delta_message is None:
-                delta_message = DeltaMessage()
-            for call in delta_message.tool_calls or ():
-                if call.id is None:
-                    continue
-                if call.index < len(self.tool_call_ids):
-                    # Pinned, as replay pins the id a fresh parser regenerates.
-                    call.id = self.tool_call_ids[call.index]
-                else:
-                    self.tool_call_ids.append(call.id)
-            if not self.role_sent:
-                delta_message.role = "assistant"
-                self.role_sent = True
             stream_choices.append(
                 ChatCompletionResponseStreamChoice(
                     index=choice.index,
@@ -244,9 +214,6 @@ class _LiveStream:
                     token_ids=choice.token_ids if return_token_ids else None,
                 )
             )
-            self.version += 1
-            self.live = choice.finish_reason is None
-            state = self.snapshot()
 
         usage: UsageInfo | None = None
         if generate_chunk.usage is not None:
@@ -265,11 +232,66 @@ class _LiveStream:
         )
         return chunk, state
 
+    def advance(
+        self,
+        delta_tids: list[int],
+        chunk_finish_reason: str | None,
+        chunk_stop_reason: int | str | None,
+        logprobs: Any,
+        state: LiveState,
+    ) -> tuple[DeltaMessage, str | None, int | str | None, Any, LiveState]:
+        """Step one choice's chunk: its delta, finish reason, stop reason,
+        resolved logprobs and the state after it, as the replay path
+        computes them for its current chunk."""
+        request = self.request
+        processor = self.processor
+        hide_metadata = processor.hide_metadata
+        self.live = False  # until the step has gone through
+        delta_message: DeltaMessage | None = None
+        finish_reason: str | None = None
+        text_tids, stop_reason = self.derenderer._drop_stop_token(
+            delta_tids, chunk_finish_reason, chunk_stop_reason, request
+        )
+        if delta_tids or chunk_finish_reason is not None:
+            text = self._decode(text_tids) if delta_tids else ""
+            delta_message, finish_reason = processor.step(
+                text, delta_tids, chunk_finish_reason, self.prompt_token_ids
+            )
+        if delta_tids:
+            self.token_ids.extend(delta_tids)
+            self.chunk_lens.append(len(delta_tids))
 
-@dataclass(frozen=True)
-class LiveState:
+        resolved_logprobs = None
+        if logprobs is not None and not hide_metadata:
+            resolved_logprobs = _resolve_logprobs(
+                logprobs,
+                self.tokenizer,
+                initial_context_token_ids=list(state.logprob_context_token_ids),
+                top_limit=_chat_top_logprobs_limit(request),
+            )
+        self.logprob_context = _logprob_context_tail(list(state.logprob_context_token_ids), delta_tids)
+        if delta_message is None:
+            delta_message = DeltaMessage()
+        for call in delta_message.tool_calls or ():
+            if call.id is None:
+                continue
+            if call.index < len(self.tool_call_ids):
+                # Pinned, as replay pins the id a fresh parser regenerates.
+                call.id = self.tool_call_ids[call.index]
+            else:
+                self.tool_call_ids.append(call.id)
+        if not self.role_sent:
+            delta_message.role = "assistant"
+            self.role_sent = True
+        self.version += 1
+        self.live = chunk_finish_reason is None
+        return delta_message, finish_reason, stop_reason, resolved_logprobs, self.snapshot()
+
+
+class LiveState(NamedTuple):
     """The ``DerenderStreamState`` replay would return, as a view of a live
-    stream: its history is a prefix of the stream's append-only lists."""
+    stream: its history is a prefix of the stream's append-only lists.
+    (Immutable, and a tuple because one is made per chunk.)"""
 
     stream: _LiveStream
     version: int
@@ -292,7 +314,7 @@ class LiveState:
             stream.live
             and stream.version == self.version
             and request is stream.request
-            and prompt_token_ids == stream.prompt_token_ids
+            and (prompt_token_ids is stream.prompt_token_ids or prompt_token_ids == stream.prompt_token_ids)
         )
 
     def to_model(self) -> DerenderStreamState:
@@ -331,3 +353,297 @@ class _Prefix(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._items[: self._length])
+
+
+# --- the chunk lane ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownRequest:
+    """A live stream's request and prompt ids as its first call sent them
+    (raw) and as validation gave them, for the calls after it.
+
+    A later call reuses the validated ones only when it sends the very same
+    JSON: equal as Python values and as bytes (`same`), so ``1``, ``1.0``
+    and ``true``, which Python holds equal, are told apart, and anything
+    else is validated anew."""
+
+    raw_request: Any
+    raw_prompt: Any
+    request: Any
+    prompt_token_ids: Any
+    request_bytes: bytes | None
+    prompt_bytes: bytes | None
+
+    @classmethod
+    def of(cls, raw_request: Any, raw_prompt: Any, request: Any, prompt_token_ids: Any) -> KnownRequest:
+        return cls(raw_request, raw_prompt, request, prompt_token_ids, _json_bytes(raw_request), _json_bytes(raw_prompt))
+
+    def same(self, raw_request: Any, raw_prompt: Any) -> bool:
+        """Whether a call sends this request and these prompt ids.
+
+        Equal bytes are the same JSON, with one exception: orjson writes
+        NaN and the infinities as ``null``, so for the request, which may
+        hold floats, Python's equality must hold too (NaN equals nothing,
+        ``null`` is None). Prompt ids were validated as non-negative
+        integers, so their bytes hold digits only (``true`` and ``1.0``
+        validate too, and are told apart by their bytes)."""
+        request_bytes = self.request_bytes
+        return (
+            request_bytes is not None
+            and self.prompt_bytes is not None
+            and _json_bytes(raw_prompt) == self.prompt_bytes
+            and _json_bytes(raw_request) == request_bytes
+            and raw_request == self.raw_request
+        )
+
+
+def _json_bytes(value: Any) -> bytes | None:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # an integer beyond 64 bits, say: never matched
+        return None
+
+
+_BODY_FIELDS = frozenset(DerenderChatStreamRequest.model_fields)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What vLLM's models make of a stream chunk with one choice and no
+    usage, logprobs or token ids: the fields, in their order, and the
+    defaults the slow path writes."""
+
+    chunk: dict[str, Any]
+    choice: dict[str, Any]
+    generate_fields: frozenset[str]
+    """The generate chunk's fields, each None unless it is one of
+    ``request_id``, ``choices`` and ``output_mode``."""
+    generate_choice_fields: frozenset[str]
+    """The generate choice's fields, each None unless it is ``index`` or
+    ``token_ids``."""
+    parts: tuple[bytes, ...]
+    """The chunk's bytes between the id, created, model, index and delta."""
+
+    def render(self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any]) -> bytes:
+        """`chunk` and `choice` with these values, as orjson writes the dict."""
+        p = self.parts
+        return b"".join(
+            (p[0], orjson.dumps(request_id), p[1], b"%d" % created, p[2], orjson.dumps(model),
+             p[3], b"%d" % index, p[4], orjson.dumps(delta), p[5])  # fmt: skip
+        )
+
+    def fields(self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        """The chunk's fields, as the response models dump them."""
+        choice = {**self.choice, "index": index, "delta": delta}
+        return {**self.chunk, "id": request_id, "created": created, "model": model, "choices": [choice]}
+
+
+def _layout() -> _Layout | None:
+    """The layout, read off vLLM's own models once; None (no lane) when
+    they are not what the lane writes: a field whose default is not None,
+    a delta of other fields, a generate chunk that refuses null."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensStreamChoice
+
+    probe = ChatCompletionStreamResponse(
+        id="", model="", choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage())]
+    ).model_dump()
+    choice = probe["choices"][0]
+    fixed = {"id", "object", "created", "model", "choices"}
+    if any(value is not None for key, value in probe.items() if key not in fixed):
+        return None
+    if any(value is not None for key, value in choice.items() if key not in ("index", "delta")):
+        return None
+    if list(DeltaMessage(role="r", content="c", reasoning="x").model_dump().items()) != list(
+        zip(_PLAIN_DELTA, ("r", "c", "x"), strict=True)
+    ):
+        return None
+    generate_fields = frozenset(GenerateTokensStreamResponse.model_fields)
+    generate_choice_fields = frozenset(GenerateTokensStreamChoice.model_fields)
+    # Null is accepted for every field the lane lets be null.
+    nulls = {key: None for key in generate_fields - {"request_id", "choices", "output_mode"}}
+    choice_nulls = {key: None for key in generate_choice_fields - {"index"}}
+    try:
+        GenerateTokensStreamResponse.model_validate({**nulls, "request_id": "", "output_mode": "tokens", "choices": [{**choice_nulls, "index": 0}]})
+    except Exception:  # noqa: BLE001 - any refusal means: no lane
+        return None
+    chunk_template = {**probe, "choices": None}
+    choice_template = {**choice, "delta": None}
+    # The chunk's bytes around what varies: the rest as orjson writes it.
+    marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00delta\x00")
+    marked = orjson.dumps(
+        {**chunk_template, "id": marks[0], "created": marks[1], "model": marks[2],
+         "choices": [{**choice_template, "index": marks[3], "delta": marks[4]}]}  # fmt: skip
+    )
+    parts = []
+    for mark in marks:
+        head, found, marked = marked.partition(orjson.dumps(mark))
+        if not found:
+            return None
+        parts.append(head)
+    parts.append(marked)
+    return _Layout(
+        chunk=chunk_template,
+        choice=choice_template,
+        generate_fields=generate_fields,
+        generate_choice_fields=generate_choice_fields,
+        parts=tuple(parts),
+    )
+
+
+class ChunkLane:
+    """The calls of a live stream, answered without the per-call pydantic
+    round trip: the usual chunk (one choice, tokens, no finish, no usage,
+    logprobs or token ids) of a stream whose request is known and whose
+    state continues.
+
+    For such a body, validation is the identity: every field the lane takes
+    is of the exact JSON type the models keep as is (a str, an int, a list
+    of ints, null where null is accepted), the request and prompt ids are
+    the ones the stream's first call validated (`KnownRequest.same`), and
+    the state is the object the previous answer gave. The handler's checks
+    (`ServingDerender.derender_chat_stream_response`) come out the same for
+    it as on the slow path, which answers anything else: a model vLLM does
+    not serve, stop strings, more than ``max_model_len`` tokens. The step
+    itself is `_LiveStream.advance`, the slow path's, and the chunk's
+    bytes are the response models' dump as the endpoint writes it,
+    written with orjson in the models' field order (`_layout`), a failure
+    to serialise going the slow path's way (`render._stream_answer`).
+
+    `answer` gives None for any body the lane does not take; the caller
+    then runs the slow path, which gives the same answer for every body.
+    """
+
+    def __init__(self, serving: Any, known: OrderedDict[str, KnownRequest]) -> None:
+        from vllm.entrypoints.scale_out.derender import serving as serving_module
+
+        self.serving = serving
+        self.derenderer = serving.online_derenderer
+        self.known = known
+        self.max_model_len = serving.model_config.max_model_len
+        self.handler_logger = serving_module.logger
+        self.layout = _layout()
+        self._supported: dict[str | None, bool] = {}
+
+    def usable(self) -> bool:
+        """Whether the lane answers as the slow path would in this process
+        now: vLLM's handler would log nothing (no request logger, its debug
+        lines off) and its derenderer is a live, parsed one."""
+        return (
+            self.layout is not None
+            and self.derenderer.parser is not None
+            and self.serving.request_logger is None
+            and not self.handler_logger.isEnabledFor(logging.DEBUG)
+        )
+
+    def answer(self, body: Any) -> Answer | None:
+        if type(body) is not dict:
+            return None
+        state = body.get("stream_state")
+        chunk = body.get("generate_chunk")
+        layout = self.layout
+        if (
+            type(state) is not LiveState
+            or type(chunk) is not dict
+            or layout is None
+            or body.get("stream") is not True
+            or not body.keys() <= _BODY_FIELDS
+        ):
+            return None
+        request_id = chunk.get("request_id")
+        choices = chunk.get("choices")
+        if type(request_id) is not str or type(choices) is not list or len(choices) != 1:
+            return None
+        if not chunk.keys() <= _PLAIN_CHUNK:
+            if not chunk.keys() <= layout.generate_fields or chunk.get("output_mode", "tokens") != "tokens":
+                return None
+            for key, value in chunk.items():
+                if value is not None and key not in _PLAIN_CHUNK and key != "output_mode":
+                    return None
+        choice = choices[0]
+        if type(choice) is not dict or not choice.keys() <= layout.generate_choice_fields:
+            return None
+        index = choice.get("index")
+        token_ids = choice.get("token_ids")
+        if type(index) is not int:
+            return None
+        if token_ids is None:
+            token_ids = []
+        elif type(token_ids) is not list:
+            return None
+        for token_id in token_ids:
+            if type(token_id) is not int:
+                return None
+        for key, value in choice.items():
+            if value is not None and key != "index" and key != "token_ids":
+                return None
+        model = body.get("model")
+        prompt_tokens = body.get("prompt_tokens")
+        if not (model is None or type(model) is str) or not (prompt_tokens is None or type(prompt_tokens) is int):
+            return None
+        known = self.known.get(request_id)
+        if known is None or not known.same(body.get("chat_request"), body.get("prompt_token_ids")):
+            return None
+        request = known.request
+        prompt_token_ids = known.prompt_token_ids
+        if (
+            request.stop
+            or request.return_token_ids
+            or prompt_token_ids is None
+            or not state.continues(request, prompt_token_ids)
+            or len(prompt_token_ids) + state.token_count + len(token_ids) > self.max_model_len
+            or not self._model_supported(model)
+            or not self.usable()
+        ):
+            return None
+        self.known.move_to_end(request_id)  # in use: the last to be forgotten
+        stream = state.stream
+        try:
+            delta, _, _, _, new_state = stream.advance(token_ids, None, None, None, state)
+        except Exception as exc:
+            # The handler's answer when the derenderer raises.
+            self.handler_logger.debug("derender stream replay failed: %s: %s", type(exc).__name__, exc)
+            error = self.serving.create_error_response("invalid stream_state: derender failed")
+            return _json_answer(error.model_dump(), error.error.code)
+        plain = (
+            type(delta) is DeltaMessage
+            and not delta.tool_calls
+            and not delta.__pydantic_extra__
+            and type(delta.role) in _TEXT
+            and type(delta.content) in _TEXT
+            and type(delta.reasoning) in _TEXT
+        )
+        if plain:
+            delta_fields: dict[str, Any] = {"role": delta.role, "content": delta.content, "reasoning": delta.reasoning}
+        else:
+            delta_fields = delta.model_dump()
+        created = int(time.time())
+        model_name = model or self.serving.models.model_name()
+        # Anything but text (a tool call, a parser's extra field, which may
+        # hold a float orjson writes otherwise) is written as the slow path
+        # writes it.
+        if plain and stream.state_checked:
+            try:
+                raw = layout.render(request_id, created, model_name, index, delta_fields)
+            except TypeError:  # a string that is not UTF-8: json words the failure
+                pass
+            else:
+                return StreamAnswer(None, raw, new_state, _dump_state)
+        answer = _stream_answer(layout.fields(request_id, created, model_name, index, delta_fields), new_state)
+        stream.state_checked = answer.ok
+        return answer
+
+    def _model_supported(self, model: str | None) -> bool:
+        """``BaseServing._is_model_supported``, once per model name: it
+        reads the served names and vLLM's environment, which a server
+        caches after start-up too (``envs.enable_envs_cache``)."""
+        supported = self._supported.get(model)
+        if supported is None:
+            supported = self._supported[model] = bool(self.serving._is_model_supported(model))
+        return supported
+
+
+_PLAIN_CHUNK = frozenset({"request_id", "choices"})
+_PLAIN_DELTA = ("role", "content", "reasoning")
+"""A text delta's fields, in the order ``DeltaMessage`` dumps them."""
+_TEXT = (str, type(None))

@@ -13,7 +13,6 @@ state kept between calls) share everything here; they differ only in the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import gc
@@ -22,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,6 +49,8 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from pydantic import TypeAdapter
+
+    from .live import ChunkLane, KnownRequest
 
 REQUESTS_KEPT = 4096
 """Validated stream requests kept for reuse in live mode (one per stream)."""
@@ -121,8 +122,11 @@ class DerenderEngine(CodeAPI):
         # One loop for the engine and its `in_mode` copies, across calls like
         # the server's; a stack whose tasks live on a loop brings that loop.
         self._loop = loop or asyncio.new_event_loop()
-        # request_id -> (raw request, raw prompt ids, validated request, validated ids)
-        self._stream_requests: OrderedDict[str, tuple[Any, Any, Any, Any]] = OrderedDict()
+        # request_id -> its stream's request and prompt ids, raw and validated
+        self._stream_requests: OrderedDict[str, KnownRequest] = OrderedDict()
+        self._lane: ChunkLane | None = None
+        """Live streams' usual calls, answered without the pydantic round
+        trip (`live.ChunkLane`); built on the first live call."""
         self._render_half: RenderHalf | None = None
         """The render endpoints, given the server flags (`build`)."""
 
@@ -244,6 +248,10 @@ class DerenderEngine(CodeAPI):
             return self._validation_answer(
                 [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
             )
+        if self.live and self.decode == "fast" and endpoint is Endpoint.CHAT:
+            answer = self._chunk_lane().answer(body)
+            if answer is not None:
+                return answer
         request = self._known_stream_request(endpoint, body) if self.live else None
         if request is None:
             checked = _materialized(body)
@@ -317,9 +325,8 @@ class DerenderEngine(CodeAPI):
         known = self._stream_requests.get(request_id) if isinstance(request_id, str) else None
         if known is None:
             return None
-        raw_request, raw_prompt, request_model, prompt_ids = known
         key = endpoint.request_key
-        if body.get(key) != raw_request or body.get("prompt_token_ids") != raw_prompt:
+        if not known.same(body.get(key), body.get("prompt_token_ids")):
             return None
         state = body.get("stream_state")
         rest = {k: v for k, v in body.items() if k not in (key, "prompt_token_ids", "stream_state")}
@@ -329,8 +336,8 @@ class DerenderEngine(CodeAPI):
             request = self._stream_bodies[endpoint].validate_python(rest, from_attributes=True)
         except ValidationError:
             return None
-        setattr(request, key, request_model)
-        request.prompt_token_ids = prompt_ids
+        setattr(request, key, known.request)
+        request.prompt_token_ids = known.prompt_token_ids
         if state is not None and _is_state_object(state):
             request.stream_state = state
         self._stream_requests.move_to_end(request_id)  # type: ignore[arg-type]
@@ -340,16 +347,24 @@ class DerenderEngine(CodeAPI):
         key = endpoint.request_key
         if not getattr(request, "stream", False) or getattr(request, key) is None:
             return
+        from .live import KnownRequest
+
         request_id = request.generate_chunk.request_id
-        self._stream_requests[request_id] = (
-            body.get(key),
-            body.get("prompt_token_ids"),
-            getattr(request, key),
-            request.prompt_token_ids,
+        self._stream_requests[request_id] = KnownRequest.of(
+            body.get(key), body.get("prompt_token_ids"), getattr(request, key), request.prompt_token_ids
         )
         self._stream_requests.move_to_end(request_id)
         if len(self._stream_requests) > REQUESTS_KEPT:
             self._stream_requests.popitem(last=False)
+
+    def _chunk_lane(self) -> ChunkLane:
+        """The lane for live streams' usual calls (`live.ChunkLane`), or
+        one that takes no call while vLLM's handler would log."""
+        if self._lane is None:
+            from .live import ChunkLane
+
+            self._lane = ChunkLane(self._serving, self._stream_requests)
+        return self._lane
 
     def _rendering(self) -> RenderHalf:
         if self._render_half is None:
@@ -788,15 +803,19 @@ _SPLICE_MARK = f"\x00derender-logprobs-{uuid.uuid4().hex}-"
 nonce is drawn per process."""
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for one call, as it was after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
+class collector_paused:  # noqa: N801 - a context manager, named as one
+    """The cyclic garbage collector off for one call, as it was after.
+    (A class: a generator's machinery cost a live stream's chunk more than
+    the pause itself.)"""
+
+    __slots__ = ("_enabled",)
+
+    def __enter__(self) -> None:
+        self._enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._enabled:
             gc.enable()
 
 

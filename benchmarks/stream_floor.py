@@ -1,0 +1,209 @@
+"""A live stream against vLLM's own per-chunk work on the same stream.
+
+    python benchmarks/stream_floor.py [--tokens 8192] [--repeat 5]
+
+The stream is a Qwen3 + hermes answer of N output tokens (a reasoning
+trace, a short answer, one tool call), one token per chunk, then the usage
+chunk, as JSONL derender bodies.
+
+- derender: the path a user runs, `derender stream --format sse` in
+  process: the lines read (`records.iter_records`), `batch.run` with
+  ``Job(Endpoint.CHAT, stream=True)`` on the live engine, `SseWriter`;
+- floor: what vLLM itself must do per chunk of that stream, and no more:
+  one incremental detokenize step (tokenizers' ``DecodeStream`` seeded with
+  the prompt, as vLLM's ``FastIncrementalDetokenizer`` is, the stop token
+  left out as its detokenizer leaves it out), the ``parse_delta`` of vLLM's
+  own parser class for the delta (built once per stream, as vLLM builds
+  it), and ``orjson.dumps`` of a chat-completion-chunk-shaped dict. Its
+  reasoning, content and tool calls are checked equal to derender's
+  assembled answer before anything is timed.
+- `--decode reference`: the same stream on vLLM's own decode and the
+  per-call path, for comparison.
+
+Each figure is CPU time, the best of --repeat runs in one warm process
+(start-up excluded, printed apart), the measures taking turns. Target: derender at
+most 2x the floor per chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from _common import REPO, plan_of_length, sample_engine
+
+from derender_core import DerenderEngine, Endpoint
+from derender_core.batch import Job, run
+from derender_core.records import iter_records
+from derender_core.writers import AssembledWriter, SseWriter
+from tests.sample_inputs import SampleBuilder, qwen3_family, stream_bodies
+
+TARGET = 2.0
+
+
+@dataclass(frozen=True)
+class StreamFloor:
+    """CPU per chunk, in µs: derender's live stream to SSE, the floor, and
+    the stream on ``--decode reference``."""
+
+    tokens: int
+    chunks: int
+    derender_us: float
+    floor_us: float
+    reference_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.derender_us / self.floor_us
+
+    def lines(self) -> list[str]:
+        return [
+            f"live stream, {self.tokens} tokens, one per chunk, {self.chunks} chunks, to SSE (CPU per chunk):",
+            f"  derender                 {self.derender_us:8.1f} us",
+            f"  floor (vLLM's own work)  {self.floor_us:8.1f} us",
+            f"  derender / floor         {self.ratio:8.2f}x  (target at most {TARGET:.1f}x)",
+            f"  --decode reference       {self.reference_us:8.1f} us  ({self.reference_us / self.floor_us:.1f}x the floor)",
+        ]
+
+
+class Floor:
+    """vLLM's per-chunk work on one stream, for one engine's model."""
+
+    def __init__(self, engine: DerenderEngine, bodies: list[dict[str, Any]]) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        derenderer = engine._serving.online_derenderer
+        self.derenderer = derenderer
+        self.tokenizer = derenderer.tokenizer
+        self.backend = self.tokenizer.backend_tokenizer
+        first = bodies[0]
+        self.request = ChatCompletionRequest.model_validate(first["chat_request"])
+        self.prompt = first["prompt_token_ids"]
+        self.model = first["model"]
+        self.chunks = [body["generate_chunk"] for body in bodies]
+
+    def stream(self) -> list[Any]:
+        """The stream's chunks as vLLM would make them; the deltas, for the check."""
+        from tokenizers.decoders import DecodeStream
+
+        derenderer, request, prompt, backend, model = self.derenderer, self.request, self.prompt, self.backend, self.model
+        parser = derenderer.parser(
+            self.tokenizer,
+            request.tools,
+            chat_template_kwargs=derenderer._resolve_chat_template_kwargs(request),
+            model_config=derenderer.model_config,
+        )
+        decoder = DecodeStream(ids=prompt, skip_special_tokens=False)
+        step = decoder.step
+        deltas = []
+        for chunk in self.chunks:
+            out: dict[str, Any] = {"id": chunk["request_id"], "object": "chat.completion.chunk",
+                                   "created": int(time.time()), "model": model}  # fmt: skip
+            if chunk["choices"]:
+                choice = chunk["choices"][0]
+                ids, finish = choice["token_ids"], choice["finish_reason"]
+                # The engine's detokenizer leaves the stop token out of the text.
+                text = "".join([step(backend, i) or "" for i in (ids[:-1] if finish == "stop" else ids)])
+                delta = parser.parse_delta(text, ids, request, prompt, finished=finish is not None)
+                fields: dict[str, Any] = {}
+                if delta is not None:
+                    deltas.append(delta)
+                    for key in ("role", "content", "reasoning"):
+                        if getattr(delta, key) is not None:
+                            fields[key] = getattr(delta, key)
+                    if delta.tool_calls:
+                        fields["tool_calls"] = [call.model_dump(exclude_none=True) for call in delta.tool_calls]
+                out["choices"] = [{"index": choice["index"], "delta": fields, "logprobs": None, "finish_reason": finish}]
+            else:
+                out["choices"] = []
+                out["usage"] = chunk["usage"]
+            orjson.dumps(out)
+        return deltas
+
+    def check(self, assembled: dict[str, Any]) -> None:
+        """The floor's text and parse are derender's: the same reasoning,
+        content and tool calls (names and argument strings), exactly."""
+        deltas = self.stream()
+        reasoning = "".join(d.reasoning for d in deltas if d.reasoning) or None
+        content = "".join(d.content for d in deltas if d.content) or None
+        calls: dict[int, list[str]] = {}
+        for delta in deltas:
+            for call in delta.tool_calls or ():
+                merged = calls.setdefault(call.index, ["", ""])
+                if call.function is not None:
+                    merged[0] += call.function.name or ""
+                    merged[1] += call.function.arguments or ""
+        message = assembled["choices"][0]["message"]
+        got = (message.get("reasoning"), message.get("content"),
+               [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or ()])  # fmt: skip
+        want = (reasoning, content, [calls[index] for index in sorted(calls)])
+        if got != want:
+            raise SystemExit(f"the floor is not derender's answer:\n  derender {got!r}\n  floor    {want!r}")
+        if not (reasoning and content and want[2]):
+            raise SystemExit(f"the stream lacks reasoning, content or a tool call: {want!r}")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """CPU seconds `fn` takes: on a shared machine, what others run does
+    not count, as wall time would."""
+    started = time.process_time()
+    fn()
+    return time.process_time() - started
+
+
+def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5) -> StreamFloor:
+    """The figures for one stream of `tokens` output tokens on `engine`
+    (the sample's Qwen3 + hermes engine), best of `repeat` each."""
+    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
+    bodies = stream_bodies(builder, [plan_of_length(builder, tokens)])
+    data = b"\n".join(orjson.dumps(body) for body in bodies) + b"\n"
+    job = Job(Endpoint.CHAT, stream=True)
+    live = engine.in_mode(live=True, decode="fast")
+    reference = engine.in_mode(live=True, decode="reference")
+
+    def derender(on: DerenderEngine = live) -> None:
+        report = run(on, iter_records(io.BytesIO(data)), job, SseWriter(target=io.BytesIO()))
+        if report.errors:
+            raise SystemExit(f"derender failed: {report.failures}")
+
+    out = io.BytesIO()
+    run(live, iter_records(io.BytesIO(data)), job, AssembledWriter(out, Endpoint.CHAT, live.chat_response))
+    floor = Floor(engine, bodies)
+    floor.check(orjson.loads(out.getvalue()))
+    derender()  # warm
+    times: dict[str, list[float]] = {"derender": [], "floor": [], "reference": []}
+    for _ in range(repeat):
+        times["derender"].append(timed(derender))
+        times["floor"].append(timed(floor.stream))
+    times["reference"].append(timed(lambda: derender(reference)))
+    chunks = len(bodies)
+    return StreamFloor(
+        tokens=tokens,
+        chunks=chunks,
+        derender_us=min(times["derender"]) / chunks * 1e6,
+        floor_us=min(times["floor"]) / chunks * 1e6,
+        reference_us=min(times["reference"]) / chunks * 1e6,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    engine, startup = sample_engine()
+    print(f"start-up (excluded below): {startup:.1f} s")
+    try:
+        figures = measure(engine, args.tokens, args.repeat)
+    finally:
+        engine.close()
+    print("\n".join(figures.lines()))
+
+
+if __name__ == "__main__":
+    main()
