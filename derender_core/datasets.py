@@ -80,8 +80,10 @@ class Input:
 
 
 @contextlib.contextmanager
-def open_records(path: str, job: Job) -> Iterator[Input]:
-    """Open any input by suffix and content: Parquet, or text lines."""
+def open_records(path: str, job: Job, *, digests: bool = True) -> Iterator[Input]:
+    """Open any input by suffix and content: Parquet, or text lines.
+    `digests`: whether each text record carries its digest, which only a
+    manifest (``--resume``) needs (`records.iter_records`)."""
     if is_parquet(path):
         parquet = _parquet_file(path)
         size = os.path.getsize(path)
@@ -95,7 +97,7 @@ def open_records(path: str, job: Job) -> Iterator[Input]:
         size = None
         if descriptor is not None:
             size = os.fstat(descriptor).st_size or None
-        yield Input(iter_records(source), size, descriptor)
+        yield Input(iter_records(source, digests=digests), size, descriptor)
 
 
 def _parquet_file(path: str) -> Any:

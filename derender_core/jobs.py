@@ -445,7 +445,7 @@ def _run_one(
     done = prepare_output(target.output) if spec.resume else 0
     keeper = None if manifest is None else ManifestKeeper(target.output, *manifest, done=done)
     with contextlib.ExitStack() as resources:
-        source = resources.enter_context(open_records(target.input, job))
+        source = resources.enter_context(open_records(target.input, job, digests=keeper is not None))
         writer = resources.enter_context(open_writer(target, spec.stream_format, job.endpoint, engine, append=done > 0))
         records: Any = until_stopped(source.records, stop)
         if keeper is not None:

@@ -498,16 +498,18 @@ def _numbered_bodies(
         yield number, line_number, line, body, digest
 
 
-def iter_records(stream: BinaryIO) -> Iterator[Record]:
+def iter_records(stream: BinaryIO, *, digests: bool = True) -> Iterator[Record]:
     """Yield the records of a JSONL file or SSE capture, one line at a time
-    (numbered by `numbered_lines`).
+    (numbered by `numbered_lines`). Without `digests` a record's digest is
+    None: a run that keeps no manifest does not hash its input.
 
     Raises:
         StreamFailure: when the stream cannot be read on.
 
     """
     sse, lines = sniff_lines(stream)
-    for number, line_number, _, text, digest in _numbered_bodies(lines, sse, hashlib.sha256()):
+    trail = hashlib.sha256() if digests else None
+    for number, line_number, _, text, digest in _numbered_bodies(lines, sse, trail):
         yield Record(number, line_number, digest=digest, text=text)
 
 

@@ -78,6 +78,10 @@ def test_a_record_parsed_late_or_after_pickling_is_the_line_parsed_now(lines: li
     prefix = b"data: " if sse else b""
     text = b"".join(prefix + line + b"\n" for line in lines)
     records = list(iter_records(io.BytesIO(text)))
+    # A run without a manifest reads the same records, without hashing.
+    unhashed = list(iter_records(io.BytesIO(text), digests=False))
+    assert [(r.number, r.line, r.digest) for r in unhashed] == [(r.number, r.line, None) for r in records]
+    assert all(r.digest is not None for r in records)
     travelled = pickle.loads(pickle.dumps(records))
     for record, moved in zip(records, travelled, strict=True):
         line = (prefix + lines[record.line - 1]) if prefix else lines[record.line - 1]
