@@ -1,5 +1,5 @@
-"""Response bytes written with orjson (`render.plain_json`) where the
-response is a plain tree (`render.plain_model`), against the bytes the
+"""Response bytes written with orjson (`answers.plain_json`) where the
+response is a plain tree (`answers.plain_model`), against the bytes the
 handlers' ``JSONResponse`` writes: every code point, drawn plain trees,
 and drawn vLLM responses (floats, free-form fields, extra fields, tool
 calls, logprobs), fallback included. The family tests
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from derender_core import DerenderEngine, Endpoint
-from derender_core.vllm_seam.render import _json_answer, plain_json, plain_model
+from derender_core.vllm_seam.answers import json_answer, plain_json, plain_model
 from tests.conftest import sample_config
 from tests.sample_inputs import SampleBuilder, chat_bodies, completion_bodies, qwen3_family
 
@@ -54,10 +54,10 @@ def test_what_orjson_refuses_falls_back_to_the_servers_writer(content: Any) -> N
         expected = (200, server_bytes(content))
     except (ValueError, TypeError):
         expected = "error"
-    answer = _json_answer(copy.deepcopy(content), plain=True)
+    answer = json_answer(copy.deepcopy(content), plain=True)
     got = (answer.status, answer.raw) if answer.status == 200 else "error"
     assert got == expected
-    assert answer == _json_answer(copy.deepcopy(content))
+    assert answer == json_answer(copy.deepcopy(content))
 
 
 class Name(str):
@@ -71,7 +71,7 @@ class Count(int):
 @pytest.mark.parametrize("leaf", [Name("x"), Count(3), {"a": Name("x")}])
 def test_subclasses_are_left_to_the_servers_writer(leaf: Any) -> None:
     assert plain_json([leaf]) is None
-    assert _json_answer([leaf], plain=True) == _json_answer([leaf])
+    assert json_answer([leaf], plain=True) == json_answer([leaf])
 
 
 def test_responses_holding_floats_or_enums_are_not_plain() -> None:
@@ -183,8 +183,8 @@ def test_a_drawn_response_answers_as_the_servers_writer_does(fields: dict[str, A
         assume(False)
     plain = plain_model(response)
     event(f"plain: {plain}")
-    answer = _json_answer(response.model_dump(), plain=plain)
-    assert answer == _json_answer(response.model_dump())
+    answer = json_answer(response.model_dump(), plain=plain)
+    assert answer == json_answer(response.model_dump())
     if plain:
         assert orjson.loads(answer.raw) == answer.body
         assert only_plain_values(response.model_dump())

@@ -55,8 +55,8 @@ from vllm.renderers.online_derenderer import (
 )
 
 from ..protocol import Answer, StreamAnswer
+from .answers import dump_state, json_answer, stream_answer
 from .fast import FastDerenderer
-from .render import _dump_state, _json_answer, _stream_answer
 
 
 class LiveDerenderer(FastDerenderer):
@@ -158,7 +158,7 @@ class _LiveStream:
         # stop token still in: after a finished step, or a step that
         # failed halfway, only a replay gives the same parser state.
         self.live = True
-        # Whether its states serialise (`render._checked_state`): that
+        # Whether its states serialise (`answers._checked_state`): that
         # depends on `base` alone, so `ChunkLane` checks it once.
         self.state_checked = False
 
@@ -508,7 +508,7 @@ class ChunkLane:
     itself is `_LiveStream.advance`, the slow path's, and the chunk's
     bytes are the response models' dump as the endpoint writes it,
     written with orjson in the models' field order (`_layout`), a failure
-    to serialise going the slow path's way (`render._stream_answer`).
+    to serialise going the slow path's way (`answers.stream_answer`).
 
     `answer` gives None for any body the lane does not take; the caller
     then runs the slow path, which gives the same answer for every body.
@@ -604,7 +604,7 @@ class ChunkLane:
             # The handler's answer when the derenderer raises.
             self.handler_logger.debug("derender stream replay failed: %s: %s", type(exc).__name__, exc)
             error = self.serving.create_error_response("invalid stream_state: derender failed")
-            return _json_answer(error.model_dump(), error.error.code)
+            return json_answer(error.model_dump(), error.error.code)
         plain = (
             type(delta) is DeltaMessage
             and not delta.tool_calls
@@ -628,8 +628,8 @@ class ChunkLane:
             except TypeError:  # a string that is not UTF-8: json words the failure
                 pass
             else:
-                return StreamAnswer(None, raw, new_state, _dump_state)
-        answer = _stream_answer(layout.fields(request_id, created, model_name, index, delta_fields), new_state)
+                return StreamAnswer(None, raw, new_state, dump_state)
+        answer = stream_answer(layout.fields(request_id, created, model_name, index, delta_fields), new_state)
         stream.state_checked = answer.ok
         return answer
 

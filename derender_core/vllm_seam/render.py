@@ -16,22 +16,19 @@ import asyncio
 import copy
 import functools
 import gc
-import json
 import logging
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import orjson
-
 from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
-from ..protocol import Answer, Endpoint, StreamAnswer, render_json, render_state
+from ..protocol import Answer, Endpoint
+from .answers import json_answer, plain_model, stream_answer
 from .renderer import RenderHalf
 from .stack import (
     derender_stack,
@@ -432,7 +429,7 @@ class DerenderEngine(CodeAPI):
         # vLLM hides file paths from a server's clients; these messages are
         # derender's own, for the user who named the files (--requests).
         response.error.message = message.strip()
-        return _json_answer(response.model_dump(), 400)
+        return json_answer(response.model_dump(), 400)
 
     @staticmethod
     def chat_response(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -489,20 +486,20 @@ class DerenderEngine(CodeAPI):
             else:
                 result = await self._serving.derender_completion_stream_response(request)
             if isinstance(result, ErrorResponse):
-                return _json_answer(result.model_dump(), result.error.code)
+                return json_answer(result.model_dump(), result.error.code)
             chunk, stream_state = result
-            return _stream_answer(chunk.model_dump(), stream_state)
+            return stream_answer(chunk.model_dump(), stream_state)
 
         if endpoint is Endpoint.CHAT:
             result = await self._serving.derender_chat_response(request)
         else:
             result = await self._serving.derender_completion_response(request)
         if isinstance(result, ErrorResponse):
-            return _json_answer(result.model_dump(), result.error.code)
+            return json_answer(result.model_dump(), result.error.code)
         spliced = self._serving.online_derenderer.spliced
         if self.decode == "fast" and plain_model(result):
-            return _json_answer(result.model_dump(), spliced=spliced, plain=True)
-        return _json_answer(result.model_dump(), spliced=spliced)
+            return json_answer(result.model_dump(), spliced=spliced, plain=True)
+        return json_answer(result.model_dump(), spliced=spliced)
 
     def _validation_answer(self, errors: list[dict[str, Any]]) -> Answer:
         from fastapi.exceptions import RequestValidationError
@@ -634,175 +631,6 @@ def _body_adapter(union: Any) -> TypeAdapter[Any]:
     return TypeAdapter(Annotated[union, Body()])
 
 
-def _json_answer(
-    content: Any, status: int = 200, spliced: Sequence[str | None] = (), *, plain: bool = False
-) -> Answer:
-    """Serialize as the handlers' ``JSONResponse(content=...)`` does, so the
-    bytes, and the failures on non-finite floats, match the server's.
-
-    `spliced` holds, per choice, the JSON of its ``logprobs`` where the
-    derenderer wrote it directly (`fast.FastDerenderer`): the choice carries
-    a placeholder string while the rest serialises, and the JSON takes the
-    placeholder's place, so the bytes are those the models would give.
-
-    `plain` says the content came from a `plain_model` response: it holds
-    only dicts with string keys, lists, strings, ints, bools and None, so
-    ``orjson.dumps`` writes the bytes ``JSONResponse`` writes (`plain_json`);
-    where orjson refuses it (an int past 64 bits, a lone surrogate, a
-    subclass), ``JSONResponse`` answers as before. Without splices the
-    answer keeps `content` as its body: a JSON round trip of a plain tree
-    gives an equal one.
-    """
-    marks = []
-    for index, rendered in enumerate(spliced):
-        if rendered is not None:
-            content["choices"][index]["logprobs"] = f"{_SPLICE_MARK}{index}"
-            marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
-    raw = plain_json(content) if plain else None
-    if raw is None:
-        from fastapi.responses import JSONResponse
-
-        try:
-            raw = bytes(JSONResponse(content=content, status_code=status).body)
-        except (ValueError, TypeError) as exc:
-            return _unserialisable(exc)
-    elif not marks:
-        answer = Answer(status, raw)
-        answer.body = content  # in place of Answer.body's parse (a cached_property)
-        return answer
-    for mark, rendered in marks:
-        raw = raw.replace(mark, rendered, 1)
-    return Answer(status, raw)
-
-
-_PLAIN_OPTIONS = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
-
-
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"not a plain JSON value: {type(value).__name__}")
-
-
-def plain_json(content: Any) -> bytes | None:
-    """``JSONResponse``'s bytes for a plain tree (dicts with string keys,
-    lists, and str, int, bool and None leaves), or None where orjson
-    refuses it.
-
-    For these types the two writers agree: compact separators, keys in
-    order, integers in decimal, and strings escaped alike (``"``, ``\\``,
-    the C0 controls with the same short forms, everything else written as
-    UTF-8; checked over every code point in `tests/test_plain_response.py`).
-    They differ on floats (``1e-05`` against ``0.00001``), which a plain
-    tree does not hold, and orjson refuses what ``JSONResponse`` would write
-    differently or fail on: lone surrogates, ints past 64 bits, keys that
-    are not strings, and (with these options and `_refuse`) subclasses,
-    dataclasses and dates. It would write UUIDs, enums and floats its own
-    way, so a caller passes only a tree `plain_model` vouches for.
-    """
-    try:
-        return orjson.dumps(content, default=_refuse, option=_PLAIN_OPTIONS)
-    except TypeError:  # orjson.JSONEncodeError among them
-        return None
-
-
-def plain_model(model: Any) -> bool:
-    """Whether ``model.model_dump()`` is a plain tree (`plain_json`).
-
-    Each model class's fields are sorted once by their annotation
-    (`_field_plan`): str, int, bool, None, string or int literals and lists
-    of these dump as themselves once validated; nested models are checked
-    the same way; any other field (a float, a dict of anything, a
-    ``PerRequestMetrics``) must be None. A model holding extra fields, or
-    of a class whose serializers are not known to keep a plain tree plain,
-    is not plain.
-    """
-    plan = _field_plan(type(model))
-    if plan is None or model.__pydantic_extra__:
-        return False
-    for name, kind in plan:
-        value = getattr(model, name)
-        if value is None:
-            continue
-        if kind is _FREE:
-            return False
-        if kind is _MODEL:
-            if not plain_model(value):
-                return False
-        elif not all(plain_model(item) for item in value):  # _MODELS
-            return False
-    return True
-
-
-_FREE, _MODEL, _MODELS = "free", "model", "models"
-
-
-@functools.cache
-def _field_plan(cls: type) -> tuple[tuple[str, str], ...] | None:
-    """The fields of `cls` that `plain_model` must look at, with how; None
-    for a class it cannot vouch for."""
-    from pydantic import BaseModel
-
-    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-        return None
-    decorators = cls.__pydantic_decorators__
-    if decorators.field_serializers or decorators.computed_fields:
-        return None
-    serializers = {d.func for d in decorators.model_serializers.values()}
-    if not serializers <= _known_serializers():
-        return None
-    plan = []
-    for name, field in cls.model_fields.items():
-        if field.exclude:
-            continue
-        kind = _annotation_kind(field.annotation)
-        if kind is not None:
-            plan.append((name, kind))
-    return tuple(plan)
-
-
-@functools.cache
-def _known_serializers() -> frozenset[Any]:
-    """Model serializers read and known to keep a plain dump plain:
-    ``ChatMessage`` drops an empty ``tool_calls`` from its dump."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
-
-    return frozenset(d.func for d in ChatMessage.__pydantic_decorators__.model_serializers.values())
-
-
-_LEAVES = (str, int, bool, type(None))
-
-
-def _annotation_kind(annotation: Any) -> str | None:
-    """None for a field whose validated value dumps as a plain leaf or a
-    list of them; `_MODEL` or `_MODELS` for nested models (or None);
-    `_FREE` for anything else."""
-    import types
-    import typing
-
-    from pydantic import BaseModel
-
-    if annotation in _LEAVES:
-        return None
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return _MODEL
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return None if all(type(arg) in _LEAVES for arg in args) else _FREE
-    if origin in (typing.Union, types.UnionType):
-        kinds = {_annotation_kind(arg) for arg in args if arg is not type(None)}
-        return kinds.pop() if len(kinds) == 1 else _FREE
-    if origin is list and len(args) == 1:
-        inner = _annotation_kind(args[0])
-        if inner is None:
-            return None
-        return _MODELS if inner is _MODEL else _FREE
-    return _FREE
-
-
-_SPLICE_MARK = f"\x00derender-logprobs-{uuid.uuid4().hex}-"
-"""A placeholder no answer's own text holds: JSON escapes the NUL, and the
-nonce is drawn per process."""
-
-
 class collector_paused:  # noqa: N801 - a context manager, named as one
     """The cyclic garbage collector off for one call, as it was after.
     (A class: a generator's machinery cost a live stream's chunk more than
@@ -819,58 +647,6 @@ class collector_paused:  # noqa: N801 - a context manager, named as one
             gc.enable()
 
 
-def _unserialisable(exc: ValueError | TypeError) -> Answer:
-    """What the app's ValueError and TypeError handlers answer when the
-    response cannot be serialised (a non-finite float, a byte string)."""
-    from fastapi.responses import JSONResponse
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-    error = create_error_response(exc)
-    return Answer(error.error.code, bytes(JSONResponse(content=error.model_dump()).body))
-
-
-def _stream_answer(chunk: dict[str, Any], state: Any) -> Answer:
-    """A successful streaming answer, or the error the server answers when
-    it cannot serialise it: the chunk, then the state, as its one
-    ``JSONResponse`` over both fails. Tried now, whatever the output
-    format, so every format shows the server's answer for the call and
-    the state threads on only from an answer the server gives (a tekken
-    byte piece in the decode window is a ``bytes``: a 400).
-
-    The state is kept as the object vLLM returned, with its bytes made now
-    where that costs what the call costs anyway (`_checked_state`)."""
-    try:
-        chunk_raw = render_json(chunk)
-        state_raw = _checked_state(state)
-    except (ValueError, TypeError) as exc:
-        return _unserialisable(exc)
-    if state_raw is None:
-        return StreamAnswer(chunk, chunk_raw, state, _dump_state)
-    return StreamAnswer(chunk, chunk_raw, state, lambda _state: state_raw)
-
-
-_LIVE_HISTORY = frozenset({"output_token_ids", "output_chunk_lens", "logprob_context_token_ids", "last_tool_call_ids"})
-"""A live state's fields that grow with its stream."""
-
-
-def _checked_state(state: Any) -> bytes | None:
-    """Raise what serialising `state` raises; its bytes, when made.
-
-    A window state (streams without a parser) is bounded, and a replay
-    state is rebuilt in O(n) per call anyway: both are serialised now. A
-    live state (`live.LiveState`) grows with its stream, so only what can
-    hold a value JSON refuses is tried, in O(1): its growing fields hold
-    token ids and counts the chunks carried (validated integers) and the
-    parser's tool-call ids (strings), the rest is the carried state it
-    started from, and None comes back.
-    """
-    stream = getattr(state, "stream", None)
-    if stream is None:
-        return _dump_state(state)
-    render_state(stream.base.model_dump(exclude=_LIVE_HISTORY))
-    return None
-
-
 def _vocab_size(tokenizer: Any) -> int:
     """Every id the tokenizer can decode is below this: its length counts
     added tokens, and its highest id covers any gap."""
@@ -879,10 +655,6 @@ def _vocab_size(tokenizer: Any) -> int:
         return max(size, int(tokenizer.max_token_id) + 1)
     except (AttributeError, NotImplementedError):
         return size
-
-
-def _dump_state(state: Any) -> bytes:
-    return render_state(state.model_dump())
 
 
 def _is_state_object(state: Any) -> bool:

@@ -75,7 +75,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, FramesAnswer
-from .render import DerenderEngine, _json_answer
+from .answers import json_answer
+from .render import DerenderEngine
 from .renderer import RenderHalf
 from .stack import prepare_environment, server_args, show_warnings_from_now_on
 
@@ -885,5 +886,5 @@ def _handler_answer(result: Any) -> Answer:
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     if isinstance(result, ErrorResponse):
-        return _json_answer(result.model_dump(), result.error.code)
-    return _json_answer(result.model_dump())
+        return json_answer(result.model_dump(), result.error.code)
+    return json_answer(result.model_dump())
