@@ -53,8 +53,11 @@ from .records import Record, RequestIndex
 
 BATCH_RECORDS = 64
 """Records per message to a worker: enough to amortise the hop."""
-BATCHES_IN_FLIGHT = 4
-"""Batches a worker may hold (queued or in work) at a time."""
+BATCHES_IN_FLIGHT = 16
+"""Batches a worker may hold (queued or in work) at a time: answers are
+handed out in input order, so a worker the scheduler holds back for a
+moment keeps the others waiting unless they have this much work queued
+(with 4, two workers on two cores ran about 7% slower)."""
 _POLL_SECONDS = 1.0
 _RESET = "reset"
 WORKERS_PER_CPU = 4
