@@ -74,3 +74,20 @@ def plan_of_length(b: SampleBuilder, tokens: int) -> StreamPlan:
         request=b.chat_request(messages, tools=[WEATHER_TOOL], stream=True, stream_options={"include_usage": True}),
         choices=[chunks_of(ids, [1])],
     )
+
+
+def sample_record(engine: DerenderEngine, tokens: int) -> tuple[dict[str, Any], Any, bytes]:
+    """One Qwen3 + hermes one-shot chat body of `tokens` output ids (a
+    reasoning trace, a short answer, one tool call), `engine`'s answer to
+    it, which must succeed, and the body as a JSONL line."""
+    import orjson
+
+    from derender_core import Endpoint
+    from tests.sample_inputs import one_shot_body, qwen3_family
+
+    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
+    body = one_shot_body(plan_of_length(builder, tokens), builder.family.served_name)
+    answer = engine.post(Endpoint.CHAT, body)
+    if not answer.ok:
+        raise SystemExit(f"the record fails: {answer.raw[:300]!r}")
+    return body, answer, orjson.dumps(body) + b"\n"

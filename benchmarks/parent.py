@@ -49,15 +49,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-from _common import REPO, plan_of_length, sample_config, sample_engine
+from _common import sample_config, sample_engine, sample_record
 
 from derender_core import Endpoint
 from derender_core.datasets import Input
 from derender_core.jobs import JobSpec, Silent, run_job
 from derender_core.protocol import Answer
 from derender_core.vllm_seam.render import DerenderEngine
-from tests.sample_inputs import SampleBuilder, one_shot_body, qwen3_family
 
 
 class InstantEngine:
@@ -353,12 +351,7 @@ def measure_parent(
     startup = 0.0
     if engine is None:
         engine, startup = sample_engine()
-    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
-    body = one_shot_body(plan_of_length(builder, tokens), builder.family.served_name)
-    answer = engine.post(Endpoint.CHAT, body)
-    if not answer.ok:
-        raise SystemExit(f"the record fails: {answer.raw[:300]!r}")
-    line = orjson.dumps(body) + b"\n"
+    _, answer, line = sample_record(engine, tokens)
     instant = InstantEngine(engine, Answer(answer.status, answer.raw))
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -59,9 +59,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import orjson
 import psutil
-from _common import REPO, plan_of_length, sample_config, sample_engine
+from _common import sample_config, sample_engine, sample_record
 
 from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
@@ -69,7 +68,6 @@ from derender_core.jobs import JobSpec, Silent, run_job
 from derender_core.records import iter_records
 from derender_core.writers import JsonlWriter
 from tests.helpers import normalized_bytes
-from tests.sample_inputs import SampleBuilder, one_shot_body, qwen3_family
 
 TARGET = 0.8
 """One Ray actor's records/s at least this share of one local worker's."""
@@ -328,12 +326,7 @@ def measure(
     own = engine is None
     if engine is None:
         engine, _ = sample_engine()
-    builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
-    body = one_shot_body(plan_of_length(builder, tokens), builder.family.served_name)
-    answer = engine.post(Endpoint.CHAT, body)
-    if not answer.ok:
-        raise SystemExit(f"the record fails: {answer.raw[:300]!r}")
-    line = orjson.dumps(body) + b"\n"
+    _, answer, line = sample_record(engine, tokens)
     with tempfile.TemporaryDirectory() as name:
         scratch = Path(name)
         path = scratch / "records.jsonl"

@@ -325,3 +325,20 @@ def hub_cache(hub: Path, repo_id: str, source: Path, revision: str = "main") -> 
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / revision).write_text(commit)
     return commit
+
+
+def count_lane_calls(monkeypatch: Any) -> list[bool]:
+    """Patch the live chunk lane (`live.ChunkLane.answer`) to record, per
+    call offered to it, whether it answered it; the list fills as calls go."""
+    from derender_core.vllm_seam.live import ChunkLane
+
+    taken: list[bool] = []
+    answer = ChunkLane.answer
+
+    def counted(self: ChunkLane, body: Any) -> Any:
+        result = answer(self, body)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ChunkLane, "answer", counted)
+    return taken

@@ -54,6 +54,7 @@ from tests.helpers import (
     REPO,
     RenderServer,
     ServeOracle,
+    count_lane_calls,
     empty_cache_env,
     jsonl_answers,
     no_network,
@@ -394,17 +395,7 @@ def test_live_streams_are_replays_bytes(family: Stack, run: Run, monkeypatch: py
     usual calls (`live.ChunkLane`), gives replay's bytes on vLLM's own
     decode: every SSE event, every JSONL line (chunk and state), key order
     and escaping included."""
-    from derender_core.vllm_seam.live import ChunkLane
-
-    taken: list[bool] = []
-    answer = ChunkLane.answer
-
-    def counted(self: ChunkLane, body: Any) -> Any:
-        result = answer(self, body)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ChunkLane, "answer", counted)
+    taken = count_lane_calls(monkeypatch)
     lines = [orjson.dumps(body) for body in run.bodies]
     job = Job(Endpoint.CHAT, stream=True)
 

@@ -30,7 +30,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job
 from derender_core.writers import JsonlWriter, SseWriter
 from tests.conftest import Stack
-from tests.helpers import jsonl_answers, normalized_bytes, run_lines
+from tests.helpers import count_lane_calls, jsonl_answers, normalized_bytes, run_lines
 from tests.sample_inputs import parser_corner_plans, stream_bodies, stream_plans
 
 JOB = Job(Endpoint.CHAT, stream=True)
@@ -39,18 +39,7 @@ JOB = Job(Endpoint.CHAT, stream=True)
 @pytest.fixture
 def lane_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     """Per call the lane was offered, whether it answered it."""
-    from derender_core.vllm_seam.live import ChunkLane
-
-    taken: list[bool] = []
-    answer = ChunkLane.answer
-
-    def counted(self: ChunkLane, body: Any) -> Any:
-        result = answer(self, body)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ChunkLane, "answer", counted)
-    yield taken
+    yield count_lane_calls(monkeypatch)
 
 
 def outputs(engine: DerenderEngine, bodies: list[Any], job: Job = JOB) -> tuple[bytes, bytes]:
