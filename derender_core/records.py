@@ -492,7 +492,7 @@ def _numbered_bodies(
             continue
         for blank_number, blank, blank_digest in waiting:
             number += 1
-            yield number, blank_number, blank, blank.rstrip(b"\r\n"), blank_digest
+            yield number, blank_number, blank, record_body(blank, keep_blank=True) or b"", blank_digest
         waiting.clear()
         number += 1
         yield number, line_number, line, body, digest
