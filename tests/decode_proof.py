@@ -178,6 +178,14 @@ def check_decode_output(engine: Any, data: Any) -> None:
     skip, spaces = _decode_params(tokenizer, request, preserve_special=preserve)
     prompt = prompt_ids(data, derenderer)
     seed = _seed_stream_state(tokenizer, prompt, skip_special_tokens=skip)
+    # The table's remembered seed is vLLM's, for this prompt and for any
+    # prompt that ends alike (which finds the state remembered for this one).
+    table = derenderer.table
+    assert table.seed_state(prompt, skip).model_dump() == seed.model_dump(), prompt
+    longer = data.draw(st.lists(st.sampled_from(_pools(derenderer)["ordinary"]), max_size=4), label="other head") + (prompt or [])
+    assert (
+        table.seed_state(longer, skip).model_dump() == _seed_stream_state(tokenizer, longer, skip_special_tokens=skip).model_dump()
+    ), longer
     args: tuple[Any, ...] = (tokenizer, ids, finish, stop_reason, request, seed, skip, spaces)
     with decoding(derenderer, "reference"):
         expected = outcome(lambda: derenderer._decode_output(*args))

@@ -325,6 +325,52 @@ def test_fast_answers_are_the_reference_answers(family: Stack, run: Run) -> None
         assert normalize(live) == normalize(expected), f"call {number}"
 
 
+def _lexicon(info: Any) -> Any:
+    """Everything a drop lexicon holds, as plain values (a compiled pattern
+    by its text and flags), so two builds compare by content."""
+    if info is None:
+        return None
+    shape = info.lexer_shape
+    return (
+        [(t.name, t.pattern.pattern, t.pattern.flags, t.is_literal, t.literal) for t in shape.terminals],
+        shape.literal_strings, shape.max_literal_len, shape.literal_first_chars, shape.has_only_literals,
+        shape.prefix_set, shape.literals_by_first, info.extra_token_ids,
+    )  # fmt: skip
+
+
+def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop lexicon the fast decode shares between a family's parsers
+    (`vllm_seam.parsers`) is vLLM's fresh build for that config and
+    tokenizer, after the family's whole corpus ran through it: nothing
+    wrote to it. The reference decode builds its own every time."""
+    from vllm.parser.engine import streaming_parser_engine
+
+    from derender_core.vllm_seam import parsers
+
+    name = family.builder.family.served_name
+    tokenizer = family.engine._serving.online_derenderer.tokenizer
+    body = one_shot_body(run.plans[0], name)
+    built: list[Any] = []
+    installed = streaming_parser_engine._build_drop_info
+
+    def counted(config: Any, tokenizer: Any) -> Any:
+        built.append(config)
+        return installed(config, tokenizer)
+
+    parsers.lexicons_of(tokenizer).clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(streaming_parser_engine, "_build_drop_info", counted)
+        assert family.engine.in_mode(decode="reference").post(Endpoint.CHAT, body).ok
+    assert parsers.lexicons_of(tokenizer) == {}  # vLLM's own function built each one
+    for plan in run.plans:  # the corpus again, sharing from its first answer
+        family.engine.post(Endpoint.CHAT, one_shot_body(plan, name))
+    shared = list(parsers.lexicons_of(tokenizer).values())
+    assert bool(shared) == bool(built), (len(built), len(shared))
+    build = parsers.vllm_build_drop_info()
+    for config, info in shared:
+        assert _lexicon(info) == _lexicon(build(config, tokenizer))
+
+
 def test_one_shot_reads_what_the_model_wrote(family: Stack, run: Run) -> None:
     """The answers are the family's real parse, not errors or raw text:
     tool calls with their arguments, reasoning apart from the reply."""

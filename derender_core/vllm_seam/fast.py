@@ -62,10 +62,12 @@ from vllm.renderers.online_derenderer import (
     _seed_stream_state,
     _stop_strings,
 )
+from vllm.tokenizers.detokenizer_utils import INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
 from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 from vllm.v1.engine.detokenizer import check_stop_strings
 
 from ..errors import ConfigError
+from . import parsers
 
 _REPLACEMENT = "\ufffd"
 _json_str = json.JSONEncoder(ensure_ascii=False).encode
@@ -124,6 +126,13 @@ def token_table(tokenizer: Any) -> TokenTable | None:
     return TokenTable(tokenizer)
 
 
+SEED_WINDOW = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2
+"""The prompt ids ``convert_prompt_ids_to_tokens`` reads: its last ones."""
+
+KEPT = 4096
+"""Seed states and seed texts a table remembers, each; then it starts over."""
+
+
 class TokenTable:
     """What vLLM's per-token functions compute for each id, computed once."""
 
@@ -141,6 +150,35 @@ class TokenTable:
         self._pieces: dict[int, str] = {}
         self._logprob_pieces: dict[int, Piece] = {}
         self._decoding = _Decoding(tokenizer)
+        self._seeds: dict[tuple[tuple[int, ...], bool], DerenderStreamState] = {}
+        self._heads: dict[tuple[str, ...], str] = {}
+
+    def seed_state(self, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> DerenderStreamState:
+        """vLLM's ``_seed_stream_state``, remembered per prompt tail: it
+        reads only the last `SEED_WINDOW` ids, and a dataset's prompts
+        mostly end alike (the chat template's assistant header). The fast
+        path only reads the state. Without a prompt, vLLM's function runs
+        each time (it may warn)."""
+        if not prompt_token_ids:
+            return _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        key = (tuple(prompt_token_ids[-SEED_WINDOW:]), skip_special_tokens)
+        state = self._seeds.get(key)
+        if state is None:
+            if len(self._seeds) >= KEPT:
+                self._seeds.clear()
+            state = _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+            self._seeds[key] = state
+        return state
+
+    def _seed_text(self, seed: list[str]) -> str:
+        """The text of a seed window's pieces, remembered as `seed_state`."""
+        key = tuple(seed)
+        text = self._heads.get(key)
+        if text is None:
+            if len(self._heads) >= KEPT:
+                self._heads.clear()
+            text = self._heads[key] = self._decode_pieces(seed)
+        return text
 
     # --- text -----------------------------------------------------------
 
@@ -232,7 +270,7 @@ class TokenTable:
         whole = self._decode_pieces(pieces)
         if _REPLACEMENT in whole:
             return None
-        head = self._decode_pieces(seed) if seed else ""
+        head = self._seed_text(seed) if seed else ""
         if not whole.startswith(head):
             return None
         return whole[len(head) :]
@@ -436,6 +474,7 @@ class FastDerenderer(OnlineDerenderer):
         self.tokenizer = single_thread_view(self.renderer.get_tokenizer())
         self.table = token_table(self.tokenizer)
         self.spliced: list[str | None] = []
+        parsers.install()
         # vLLM hands each call to the renderer's executor (inline here,
         # `render._InlineExecutor`) and awaits it, which costs an event-loop
         # turn per call; the same functions are called directly instead.
@@ -528,7 +567,7 @@ class FastDerenderer(OnlineDerenderer):
         has_parser = self.parser is not None and chat_request is not None
         skip_special, spaces_between = _decode_params(tokenizer, chat_request, preserve_special=has_parser)
         seed_ids = prompt_token_ids if prompt_token_ids is not None else generate_response.prompt_token_ids
-        seed_state = _seed_stream_state(tokenizer, seed_ids, skip_special_tokens=skip_special)
+        seed_state = self.table.seed_state(seed_ids, skip_special)
         chat_template_kwargs = (
             self._resolve_chat_template_kwargs(chat_request) if has_parser and chat_request is not None else {}
         )
@@ -593,7 +632,7 @@ class FastDerenderer(OnlineDerenderer):
         # strict=False: as vLLM zips them
         for gen, pt, seed_ids_override in zip(generate_responses, prompt_tokens_list, prompt_token_ids_list, strict=False):
             seed_ids = seed_ids_override if seed_ids_override is not None else gen.prompt_token_ids
-            seed_state = _seed_stream_state(tokenizer, seed_ids, skip_special_tokens=skip_special)
+            seed_state = self.table.seed_state(seed_ids, skip_special)
             for choice in gen.choices:
                 if not choice.token_ids:
                     raise ValueError(

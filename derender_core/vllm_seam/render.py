@@ -29,6 +29,7 @@ from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint
 from .answers import json_answer, plain_model, stream_answer
+from .parsers import SHARING
 from .renderer import RenderHalf
 from .stack import (
     derender_stack,
@@ -232,9 +233,12 @@ class DerenderEngine(CodeAPI):
         # (`collector_paused`, inlined: this runs once per record.)
         enabled = gc.isenabled()
         gc.disable()
+        # The fast decode's parsers share their lexicon (`parsers`).
+        sharing = SHARING.set(self.decode == "fast")
         try:
             return self._post(endpoint, body)
         finally:
+            SHARING.reset(sharing)
             if enabled:
                 gc.enable()
 

@@ -1,0 +1,96 @@
+"""vLLM's parser engine (``vllm.parser.engine``): the lexicon of special
+tokens a parser drops, built once per engine config and tokenizer while the
+fast decode runs, not once per request.
+
+vLLM builds one parser per request, as it must: a parser is stateful. Every
+engine-based parser's ``StreamingParserEngine.__init__`` calls
+``_build_drop_info(config, tokenizer)``, which turns the tokenizer's special
+tokens that the config does not name into "drop" terminals and builds a
+``LexerShape`` over all terminals. That is nearly half of building a Qwen3
+parser (24 of 60 µs here), and a third of a 30-token record's floor.
+
+Its result depends on nothing but the config and the tokenizer's special
+tokens, and nothing writes to it: the engine copies ``extra_token_ids`` into
+its own dict, and ``LexerShape`` is, in vLLM's words, immutable data shared
+by every lexer of a config (vLLM itself caches the shape of a config without
+drops, ``ParserEngineConfig.lexer_shape``). The configs come from
+``functools.cache``d builders, one object per set of options, so the config
+object and the tokenizer object are the key. Parsers stay vLLM's, built per
+request as vLLM builds them; only this pure part is shared.
+
+Sharing is on only while `SHARING` is set: `render.DerenderEngine.post`
+sets it for the fast decode's calls; ``--decode reference`` and the serve
+path run vLLM's function as it is.
+``tests/test_families.py`` checks, on every family's tokenizer, that a shared
+lexicon equals a fresh build before and after the family's corpus, and that
+fast answers equal the reference's byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+LEXICONS_KEPT = 256
+"""Lexicons kept per tokenizer: a handful of configs per parser in use (a
+thinking toggle, say). A builder that made a new config per request would
+fill it; then it is emptied and starts again."""
+
+SHARING: contextvars.ContextVar[bool] = contextvars.ContextVar("derender_sharing_lexicons", default=False)
+"""True while parser engines built in this context share their lexicon.
+(Set per call: a context variable, so a reference call on another thread
+or task is never shared.)"""
+
+_KEPT_ON = "_derender_drop_lexicons"
+"""The tokenizer attribute that keeps its lexicons, so that they live as
+long as the tokenizer does, as vLLM keeps its leading-space marker."""
+
+
+@functools.cache
+def install() -> None:
+    """Put the sharing wrapper where ``StreamingParserEngine.__init__``
+    looks the function up (a module global, read at each call)."""
+    from vllm.parser.engine import streaming_parser_engine
+
+    streaming_parser_engine._build_drop_info = _sharing_wrapper(streaming_parser_engine._build_drop_info)
+
+
+def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
+    """vLLM's own ``_build_drop_info``, unwrapped: the tests' reference."""
+    from vllm.parser.engine import streaming_parser_engine
+
+    built = streaming_parser_engine._build_drop_info
+    return getattr(built, "__wrapped__", built)
+
+
+def lexicons_of(tokenizer: Any) -> dict[int, tuple[Any, Any]]:
+    """id(config) -> (config, lexicon): the lexicons shared for `tokenizer`
+    (holding the config keeps its id from being reused)."""
+    kept = vars(tokenizer).get(_KEPT_ON)
+    if kept is None:
+        kept = {}
+        setattr(tokenizer, _KEPT_ON, kept)
+    return kept  # type: ignore[no-any-return]
+
+
+def shared_lexicon(config: Any, tokenizer: Any) -> Any:
+    """The lexicon shared for (config, tokenizer), built on first use."""
+    kept = lexicons_of(tokenizer)
+    entry = kept.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(kept) >= LEXICONS_KEPT:
+            kept.clear()
+        entry = kept[id(config)] = (config, vllm_build_drop_info()(config, tokenizer))
+    return entry[1]
+
+
+def _sharing_wrapper(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(build)
+    def build_drop_info(config: Any, tokenizer: Any) -> Any:
+        if SHARING.get() and hasattr(tokenizer, "__dict__"):
+            return shared_lexicon(config, tokenizer)
+        return build(config, tokenizer)
+
+    return build_drop_info
