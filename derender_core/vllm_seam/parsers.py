@@ -7,7 +7,7 @@ engine-based parser's ``StreamingParserEngine.__init__`` calls
 ``_build_drop_info(config, tokenizer)``, which turns the tokenizer's special
 tokens that the config does not name into "drop" terminals and builds a
 ``LexerShape`` over all terminals. That is nearly half of building a Qwen3
-parser (24 of 60 µs here), and a third of a 30-token record's floor.
+parser (24 of 60 µs here), and a sixth of a 30-token record's floor.
 
 Its result depends on nothing but the config and the tokenizer's special
 tokens, and nothing writes to it: the engine copies ``extra_token_ids`` into
@@ -21,9 +21,10 @@ request as vLLM builds them; only this pure part is shared.
 Sharing is on only while `SHARING` is set: `render.DerenderEngine.post`
 sets it for the fast decode's calls; ``--decode reference`` and the serve
 path run vLLM's function as it is.
-``tests/test_families.py`` checks, on every family's tokenizer, that a shared
-lexicon equals a fresh build before and after the family's corpus, and that
-fast answers equal the reference's byte for byte.
+``tests/test_families.py`` checks, on every family's tokenizer, that each
+shared lexicon equals vLLM's fresh build after the family's corpus ran
+through it, that the reference decode shares none, and that fast answers
+equal the reference's byte for byte.
 """
 
 from __future__ import annotations
