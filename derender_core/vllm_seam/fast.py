@@ -34,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -132,6 +132,29 @@ SEED_WINDOW = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2
 KEPT = 4096
 """Seed states and seed texts a table remembers, each; then it starts over."""
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Remembered(dict[_K, _V]):
+    """A memo of at most `limit` entries that starts over when full:
+    bounded memory, and no bookkeeping on a hit, which is what it saves.
+    (None is never remembered: a value made as None is made again.)"""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get_or_make(self, key: _K, make: Callable[[], _V]) -> _V:
+        value = self.get(key)
+        if value is None:
+            if len(self) >= self.limit:
+                self.clear()
+            value = self[key] = make()
+        return value
+
 
 class TokenTable:
     """What vLLM's per-token functions compute for each id, computed once."""
@@ -150,8 +173,8 @@ class TokenTable:
         self._pieces: dict[int, str] = {}
         self._logprob_pieces: dict[int, Piece] = {}
         self._decoding = _Decoding(tokenizer)
-        self._seeds: dict[tuple[tuple[int, ...], bool], DerenderStreamState] = {}
-        self._heads: dict[tuple[str, ...], str] = {}
+        self._seeds: Remembered[tuple[tuple[int, ...], bool], DerenderStreamState] = Remembered(KEPT)
+        self._heads: Remembered[tuple[str, ...], str] = Remembered(KEPT)
 
     def seed_state(self, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> DerenderStreamState:
         """vLLM's ``_seed_stream_state``, remembered per prompt tail: it
@@ -161,24 +184,14 @@ class TokenTable:
         each time (it may warn)."""
         if not prompt_token_ids:
             return _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
-        key = (tuple(prompt_token_ids[-SEED_WINDOW:]), skip_special_tokens)
-        state = self._seeds.get(key)
-        if state is None:
-            if len(self._seeds) >= KEPT:
-                self._seeds.clear()
-            state = _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
-            self._seeds[key] = state
-        return state
+        return self._seeds.get_or_make(
+            (tuple(prompt_token_ids[-SEED_WINDOW:]), skip_special_tokens),
+            lambda: _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens),
+        )
 
     def _seed_text(self, seed: list[str]) -> str:
         """The text of a seed window's pieces, remembered as `seed_state`."""
-        key = tuple(seed)
-        text = self._heads.get(key)
-        if text is None:
-            if len(self._heads) >= KEPT:
-                self._heads.clear()
-            text = self._heads[key] = self._decode_pieces(seed)
-        return text
+        return self._heads.get_or_make(tuple(seed), lambda: self._decode_pieces(seed))  # type: ignore[no-any-return]
 
     # --- text -----------------------------------------------------------
 
@@ -337,16 +350,10 @@ class _Decoding:
         )
         backend_decode = tokenizer.backend_tokenizer.decode
         self._decode: Any = (lambda ids: backend_decode(ids, skip_special_tokens=False)) if plain else tokenizer.decode
-        self._known: dict[tuple[int, ...], str] = {}
+        self._known: Remembered[tuple[int, ...], str] = Remembered(self.KEPT)
 
     def decode(self, token_ids: list[int]) -> str:
-        key = tuple(token_ids)
-        text = self._known.get(key)
-        if text is None:
-            if len(self._known) >= self.KEPT:
-                self._known.clear()
-            text = self._known[key] = self._decode(token_ids)
-        return text
+        return self._known.get_or_make(tuple(token_ids), lambda: self._decode(token_ids))  # type: ignore[no-any-return]
 
 
 class Piece:

@@ -32,7 +32,10 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .fast import Remembered
 
 LEXICONS_KEPT = 256
 """Lexicons kept per tokenizer: a handful of configs per parser in use (a
@@ -66,25 +69,22 @@ def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
     return getattr(built, "__wrapped__", built)
 
 
-def lexicons_of(tokenizer: Any) -> dict[int, tuple[Any, Any]]:
-    """id(config) -> (config, lexicon): the lexicons shared for `tokenizer`
-    (holding the config keeps its id from being reused)."""
+def lexicons_of(tokenizer: Any) -> Remembered[int, tuple[Any, Any]]:
+    """id(config) -> (config, lexicon): the lexicons shared for `tokenizer`.
+    An entry holds its config, so no other config can take its id while it
+    is kept."""
     kept = vars(tokenizer).get(_KEPT_ON)
     if kept is None:
-        kept = {}
+        from .fast import Remembered  # here: this module is imported before vLLM is, fast.py after
+
+        kept = Remembered(LEXICONS_KEPT)
         setattr(tokenizer, _KEPT_ON, kept)
     return kept  # type: ignore[no-any-return]
 
 
 def shared_lexicon(config: Any, tokenizer: Any) -> Any:
     """The lexicon shared for (config, tokenizer), built on first use."""
-    kept = lexicons_of(tokenizer)
-    entry = kept.get(id(config))
-    if entry is None or entry[0] is not config:
-        if len(kept) >= LEXICONS_KEPT:
-            kept.clear()
-        entry = kept[id(config)] = (config, vllm_build_drop_info()(config, tokenizer))
-    return entry[1]
+    return lexicons_of(tokenizer).get_or_make(id(config), lambda: (config, vllm_build_drop_info()(config, tokenizer)))[1]
 
 
 def _sharing_wrapper(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
