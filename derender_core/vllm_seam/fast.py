@@ -34,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -68,6 +68,7 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 
 from ..errors import ConfigError
 from . import parsers
+from .parsers import Remembered
 
 _REPLACEMENT = "\ufffd"
 _json_str = json.JSONEncoder(ensure_ascii=False).encode
@@ -131,29 +132,6 @@ SEED_WINDOW = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2
 
 KEPT = 4096
 """Seed states and seed texts a table remembers, each; then it starts over."""
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
-
-
-class Remembered(dict[_K, _V]):
-    """A memo of at most `limit` entries that starts over when full:
-    bounded memory, and no bookkeeping on a hit, which is what it saves.
-    (None is never remembered: a value made as None is made again.)"""
-
-    __slots__ = ("limit",)
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def get_or_make(self, key: _K, make: Callable[[], _V]) -> _V:
-        value = self.get(key)
-        if value is None:
-            if len(self) >= self.limit:
-                self.clear()
-            value = self[key] = make()
-        return value
 
 
 class TokenTable:

@@ -32,15 +32,38 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .fast import Remembered
+from typing import Any, TypeVar
 
 LEXICONS_KEPT = 256
 """Lexicons kept per tokenizer: a handful of configs per parser in use (a
 thinking toggle, say). A builder that made a new config per request would
 fill it; then it is emptied and starts again."""
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Remembered(dict[_K, _V]):
+    """A memo of at most `limit` entries that starts over when full:
+    bounded memory, and no bookkeeping on a hit, which is what it saves.
+    (None is never remembered: a value made as None is made again.) The
+    lexicons are kept in one, and the fast decode keeps its own memos in
+    others (`fast.TokenTable`)."""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get_or_make(self, key: _K, make: Callable[[], _V]) -> _V:
+        value = self.get(key)
+        if value is None:
+            if len(self) >= self.limit:
+                self.clear()
+            value = self[key] = make()
+        return value
+
 
 SHARING: contextvars.ContextVar[bool] = contextvars.ContextVar("derender_sharing_lexicons", default=False)
 """True while parser engines built in this context share their lexicon.
@@ -75,8 +98,6 @@ def lexicons_of(tokenizer: Any) -> Remembered[int, tuple[Any, Any]]:
     is kept."""
     kept = vars(tokenizer).get(_KEPT_ON)
     if kept is None:
-        from .fast import Remembered  # here: this module is imported before vLLM is, fast.py after
-
         kept = Remembered(LEXICONS_KEPT)
         setattr(tokenizer, _KEPT_ON, kept)
     return kept  # type: ignore[no-any-return]
