@@ -68,7 +68,6 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 
 from ..errors import ConfigError
 from . import parsers
-from .parsers import Remembered
 
 _REPLACEMENT = "\ufffd"
 _json_str = json.JSONEncoder(ensure_ascii=False).encode
@@ -151,8 +150,8 @@ class TokenTable:
         self._pieces: dict[int, str] = {}
         self._logprob_pieces: dict[int, Piece] = {}
         self._decoding = _Decoding(tokenizer)
-        self._seeds: Remembered[tuple[tuple[int, ...], bool], DerenderStreamState] = Remembered(KEPT)
-        self._heads: Remembered[tuple[str, ...], str] = Remembered(KEPT)
+        self._seeds: parsers.Remembered[tuple[tuple[int, ...], bool], DerenderStreamState] = parsers.Remembered(KEPT)
+        self._heads: parsers.Remembered[tuple[str, ...], str] = parsers.Remembered(KEPT)
 
     def seed_state(self, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> DerenderStreamState:
         """vLLM's ``_seed_stream_state``, remembered per prompt tail: it
@@ -328,7 +327,7 @@ class _Decoding:
         )
         backend_decode = tokenizer.backend_tokenizer.decode
         self._decode: Any = (lambda ids: backend_decode(ids, skip_special_tokens=False)) if plain else tokenizer.decode
-        self._known: Remembered[tuple[int, ...], str] = Remembered(self.KEPT)
+        self._known: parsers.Remembered[tuple[int, ...], str] = parsers.Remembered(self.KEPT)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._known.get_or_make(tuple(token_ids), lambda: self._decode(token_ids))  # type: ignore[no-any-return]

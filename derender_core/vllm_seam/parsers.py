@@ -103,16 +103,12 @@ def lexicons_of(tokenizer: Any) -> Remembered[int, tuple[Any, Any]]:
     return kept  # type: ignore[no-any-return]
 
 
-def shared_lexicon(config: Any, tokenizer: Any) -> Any:
-    """The lexicon shared for (config, tokenizer), built on first use."""
-    return lexicons_of(tokenizer).get_or_make(id(config), lambda: (config, vllm_build_drop_info()(config, tokenizer)))[1]
-
-
 def _sharing_wrapper(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(build)
     def build_drop_info(config: Any, tokenizer: Any) -> Any:
         if SHARING.get() and hasattr(tokenizer, "__dict__"):
-            return shared_lexicon(config, tokenizer)
+            # Built by vLLM's function on first use, then shared.
+            return lexicons_of(tokenizer).get_or_make(id(config), lambda: (config, build(config, tokenizer)))[1]
         return build(config, tokenizer)
 
     return build_drop_info
