@@ -134,9 +134,13 @@ class CleanRun:
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory: pytest.TempPathFactory) -> CleanRun:
-    """An uninterrupted run over many good and failing records, with --errors."""
+    """An uninterrupted run over many good and failing records, with --errors.
+
+    Enough of them that a `-j 2` run outlasts the kill test's wait after its
+    first output by seconds, on a fast machine too: 2,251 records once ended
+    inside that 0.3 s on CI, and the kill missed the run."""
     directory = tmp_path_factory.mktemp("resume")
-    rows = [*CHAT, *CHAT_ERRORS] * 250
+    rows = [*CHAT, *CHAT_ERRORS] * 1000
     source = directory / "in.jsonl"
     source.write_bytes(jsonl(rows) + b"not json\n")
     output, errors = directory / "clean.jsonl", directory / "clean-errors.jsonl"
