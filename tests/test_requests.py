@@ -1,0 +1,256 @@
+"""The usual chat request built without validation's round trip
+(`vllm_seam.requests.ChatRequests`), against vLLM's own validation of the
+same dict: hypothesis-drawn requests that mix the usual fields with values
+vLLM refuses, converts or keeps, and every chat request of the sample and
+of every family's corpus. A request is built only where validation accepts
+it, and then equals it in every field's value, type and order, the fields
+set, the extras, the private attributes and the dump, and leaves the dict
+it came from as validation leaves it. The whole answers are compared with
+the reference path's (which validates every request) in
+``tests/test_families.py::test_fast_answers_are_the_reference_answers``."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from derender_core import Endpoint
+from derender_core.vllm_seam.render import _chat_requests
+from derender_core.vllm_seam.requests import ChatCompletionRequest
+from tests.conftest import sample_config
+from tests.sample_inputs import SampleBuilder, chat_bodies, qwen3_family
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def strictly_equal(a: Any, b: Any) -> bool:
+    """Equal, and of the same types all the way down, dicts in the same
+    order (Python's ``==`` holds ``1 == 1.0 == True`` and ignores order)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, BaseModel):
+        return (
+            strictly_equal(a.__dict__, b.__dict__)
+            and a.__pydantic_fields_set__ == b.__pydantic_fields_set__
+            and strictly_equal(a.__pydantic_extra__, b.__pydantic_extra__)
+            and strictly_equal(a.__pydantic_private__, b.__pydantic_private__)
+        )
+    if type(a) is dict:
+        return list(a) == list(b) and all(strictly_equal(a[k], b[k]) for k in a)
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(strictly_equal(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is float and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+def same_request(built: ChatCompletionRequest, validated: ChatCompletionRequest) -> bool:
+    """Strictly equal but for the request id, random by vLLM's factory."""
+    ours, theirs = dict(built.__dict__), dict(validated.__dict__)
+    ids = ours.pop("request_id"), theirs.pop("request_id")
+    return (
+        all(type(i) is str and len(i) == len(ids[1]) for i in ids)
+        and strictly_equal(ours, theirs)
+        and built.__pydantic_fields_set__ == validated.__pydantic_fields_set__
+        and strictly_equal(built.__pydantic_extra__, validated.__pydantic_extra__)
+        and strictly_equal(built.__pydantic_private__, validated.__pydantic_private__)
+        and built.model_dump_json(exclude={"request_id"}) == validated.model_dump_json(exclude={"request_id"})
+    )
+
+
+def check(raw: dict[str, Any]) -> ChatCompletionRequest | None:
+    """Build `raw` and validate it; whatever is built equals validation."""
+    ours_raw, theirs_raw = copy.deepcopy(raw), copy.deepcopy(raw)
+    built = _chat_requests().build(ours_raw)
+    try:
+        validated: ChatCompletionRequest | None = ChatCompletionRequest.model_validate(theirs_raw)
+    except Exception:  # noqa: BLE001 - any refusal
+        validated = None
+    if built is not None:
+        assert validated is not None, f"built a request vLLM refuses: {raw!r}"
+        assert same_request(built, validated), raw
+        assert strictly_equal(ours_raw, theirs_raw), "the dict is left as validation leaves it"
+    return built
+
+
+# --- drawn requests ------------------------------------------------------------
+
+ODD = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.integers(), st.floats(allow_nan=True), st.text(max_size=3),
+    st.just([]), st.just({}), st.just([1]), st.just({"a": 1}), st.integers(1 << 62, 1 << 66), st.just(1.0),
+)  # fmt: skip
+ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "other", ""])
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)}),
+    st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)}, optional={"name": st.text(max_size=3), "reasoning_content": ODD, "tool_calls": st.just([]), "tool_call_id": st.just("c1")}),
+    st.fixed_dictionaries({"role": ROLES, "content": ODD}),
+    st.fixed_dictionaries({"content": st.text(max_size=3)}),
+    st.just([{"role": "user", "content": "x"}]),
+    st.just({"role": "user", "content": [{"type": "text", "text": "hi"}]}),
+)  # fmt: skip
+TOOLS = st.one_of(
+    st.just([WEATHER]), st.just([WEATHER, {**WEATHER, "function": {**WEATHER["function"], "name": "other"}}]),
+    st.just([]), st.just([{"type": "function"}]), st.just([{**WEATHER, "extra": 1}]), ODD,
+)  # fmt: skip
+FLOATS = st.one_of(st.floats(allow_nan=False), st.integers(-3, 3), st.integers(), ODD)
+INTS = st.one_of(st.integers(-3, 5), st.integers(), ODD)
+BOOLS = st.one_of(st.booleans(), ODD)
+OPTIONAL = {
+    "model": st.one_of(st.text(max_size=5), ODD),
+    "tools": TOOLS,
+    "tool_choice": st.one_of(
+        st.sampled_from(["auto", "none", "required", "bogus"]),
+        st.just({"type": "function", "function": {"name": "get_weather"}}), ODD,
+    ),  # fmt: skip
+    "temperature": FLOATS,
+    "top_p": FLOATS,
+    "min_p": FLOATS,
+    "presence_penalty": FLOATS,
+    "frequency_penalty": FLOATS,
+    "repetition_penalty": FLOATS,
+    "max_tokens": INTS,
+    "max_completion_tokens": INTS,
+    "top_k": INTS,
+    "n": INTS,
+    "seed": st.one_of(INTS, st.sampled_from([-(1 << 63), (1 << 63) - 1, 1 << 63, -(1 << 63) - 1])),
+    "top_logprobs": st.one_of(st.integers(-2, 6), ODD),
+    "logprobs": BOOLS,
+    "stream": BOOLS,
+    "skip_special_tokens": BOOLS,
+    "spaces_between_special_tokens": BOOLS,
+    "add_generation_prompt": BOOLS,
+    "continue_final_message": BOOLS,
+    "include_stop_str_in_output": BOOLS,
+    "echo": BOOLS,
+    "parallel_tool_calls": BOOLS,
+    "include_reasoning": BOOLS,
+    "chat_template_kwargs": st.one_of(
+        st.dictionaries(st.text(max_size=4), st.one_of(st.booleans(), st.text(max_size=3))), ODD,
+        st.just({1: "not a string key"}),
+    ),  # fmt: skip
+    "stop": st.one_of(st.just(["x"]), st.just([])),
+    "cache_salt": st.one_of(st.just("salt"), st.just("")),
+    "stream_options": st.just({"include_usage": True}),
+    "unknown_field": ODD,
+}
+
+
+@st.composite
+def usual_requests(draw: st.DrawFn) -> dict[str, Any]:
+    """Requests of the usual fields with good values only: each is built."""
+    roles = st.sampled_from(["system", "developer", "user", "assistant"])
+    raw: dict[str, Any] = {"messages": draw(st.lists(st.fixed_dictionaries({"role": roles, "content": st.text()}), max_size=5))}
+    if draw(st.booleans()):
+        raw["tools"] = [WEATHER]
+        if draw(st.booleans()):
+            raw["tool_choice"] = draw(st.sampled_from(["auto", "none", "required"]))
+    good = {
+        "model": st.one_of(st.none(), st.text()),
+        "temperature": st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False), st.integers(-(1 << 53), 1 << 53)),
+        "max_tokens": st.one_of(st.none(), st.integers()),
+        "seed": st.integers(-(1 << 63), (1 << 63) - 1),
+        "logprobs": st.just(True),
+        "top_logprobs": st.integers(0, 20),
+        "skip_special_tokens": st.booleans(),
+        "chat_template_kwargs": st.dictionaries(st.text(max_size=6), st.one_of(st.booleans(), st.none(), st.text())),
+    }
+    for key in draw(st.lists(st.sampled_from(sorted(good)), unique=True)):
+        raw[key] = draw(good[key])
+    if "top_logprobs" in raw:
+        raw["logprobs"] = True
+    return raw
+
+
+@st.composite
+def wild_requests(draw: st.DrawFn) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    chosen = draw(st.lists(st.sampled_from(sorted(OPTIONAL)), max_size=6, unique=True))
+    messages = draw(st.one_of(st.lists(MESSAGE, max_size=4), ODD))
+    keys = ["messages", *chosen]
+    for key in draw(st.permutations(keys)):
+        raw[key] = messages if key == "messages" else draw(OPTIONAL[key])
+    if draw(st.integers(0, 9)) == 0:
+        del raw["messages"]
+    return raw
+
+
+@st.composite
+def nearly_usual_requests(draw: st.DrawFn) -> dict[str, Any]:
+    """A usual request with a field or a message changed to anything."""
+    raw = draw(usual_requests())
+    for key in draw(st.lists(st.sampled_from(sorted(OPTIONAL)), min_size=1, max_size=2, unique=True)):
+        raw[key] = draw(OPTIONAL[key])
+    if raw["messages"] and draw(st.booleans()):
+        raw["messages"][draw(st.integers(0, len(raw["messages"]) - 1))] = draw(MESSAGE)
+    return raw
+
+
+def requests() -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(wild_requests(), nearly_usual_requests(), usual_requests())
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests())
+def test_a_built_request_is_vllms_validation_of_it(raw: dict[str, Any]) -> None:
+    event("built" if check(raw) is not None else "validated as before")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(usual_requests())
+def test_the_usual_request_is_built(raw: dict[str, Any]) -> None:
+    assert check(raw) is not None, raw
+
+
+def test_every_chat_request_of_the_sample_is_built_as_validated() -> None:
+    builder = SampleBuilder(qwen3_family(sample_config().model))
+    requests = [body["chat_request"] for body in chat_bodies(builder) if isinstance(body.get("chat_request"), dict)]
+    assert requests
+    built = [check(raw) for raw in requests]
+    assert any(request is not None for request in built)
+
+
+def test_the_request_filled_in_is_the_one_the_engine_answers(qwen3_stack: Any) -> None:
+    """Through `DerenderEngine._validated`: the request object is the built
+    one, passed through the body's validation as it is; the reference
+    decode validates it."""
+    engine = qwen3_stack.engine
+    body = next(body for body in chat_bodies(qwen3_stack.builder) if body.get("chat_request", {}).get("tools"))
+    raw = copy.deepcopy(body)
+    fast = engine.in_mode(decode="fast")._validated(Endpoint.CHAT, raw)
+    assert raw["chat_request"]["tool_choice"] == "auto"  # filled in, as validation does
+    reference = engine.in_mode(decode="reference")._validated(Endpoint.CHAT, copy.deepcopy(body))
+    assert same_request(fast.chat_request, reference.chat_request)
+    assert strictly_equal(
+        fast.model_dump(exclude={"chat_request"}), reference.model_dump(exclude={"chat_request"})
+    )
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"messages": [{"role": "user", "content": "x"}], "tools": []},  # vLLM refuses an empty list
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},  # no tools
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},  # without logprobs
+        {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": True},  # a bool, not a number
+        {"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]},  # renamed by vLLM
+        {"messages": [{"role": "tool", "content": "x"}]},  # needs its tool_call_id
+        {"messages": [{"role": "user", "content": "x"}], "stop": ["x"]},
+    ],
+)
+def test_what_validation_refuses_or_changes_is_left_to_it(raw: dict[str, Any]) -> None:
+    assert _chat_requests().build(copy.deepcopy(raw)) is None
+    check(raw)
