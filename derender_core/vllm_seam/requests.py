@@ -161,6 +161,13 @@ class ChatRequests:
                 if type(value) is not str or value not in _TOOL_CHOICES:
                     return None
                 values[key] = value
+            elif key == "stop":
+                if value is None or type(value) is str:
+                    values[key] = value
+                elif type(value) is list and all(type(stop) is str for stop in value):
+                    values[key] = list(value)
+                else:
+                    return None
             elif key == "chat_template_kwargs":
                 if value is not None and not (type(value) is dict and all(type(k) is str for k in value)):
                     return None
