@@ -7,7 +7,8 @@ tool call) of N output tokens. Per length, the best of --repeat runs of
 --records records each, the measures taking turns:
 
 - record: one record of a one-shot chat job (``batch.run`` over JSONL lines
-  to a JSONL writer: read, check, validate, derender, write), per record;
+  to a JSONL writer: read, check, validate, derender, write), per record,
+  the engine in the live mode every ``derender`` job runs it in;
 - post: ``DerenderEngine.post`` on the parsed body, per record;
 - job floor: the work itself, per record: read the line, ``orjson.loads``,
   one tokenizers decode of the ids, vLLM's own parser class built and
@@ -183,9 +184,12 @@ def record_row(
     floor.check(floor.validated, answer.body)
     floor.check_logprobs(answer.body)
 
+    # The engine as a `derender chat` job runs it (`JobSpec.live`).
+    job_engine = engine.in_mode(live=True)
+
     def job_run() -> None:
         # Read as a run to stdout reads it: no manifest, so no digests.
-        report = run(engine, iter_records(io.BytesIO(data), digests=False), job, JsonlWriter(target=io.BytesIO()))
+        report = run(job_engine, iter_records(io.BytesIO(data), digests=False), job, JsonlWriter(target=io.BytesIO()))
         assert report.errors == 0
 
     def posts() -> None:

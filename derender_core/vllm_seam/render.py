@@ -257,10 +257,19 @@ class DerenderEngine(CodeAPI):
         request = self._known_stream_request(endpoint, body) if self.live else None
         if request is None:
             checked = _materialized(body)
-            if self.live and isinstance(body, Mapping) and isinstance(body.get(endpoint.request_key), dict):
+            if (
+                self.live
+                and isinstance(body, Mapping)
+                and body.get("stream", False) is not False
+                and isinstance(body.get(endpoint.request_key), dict)
+            ):
                 # vLLM's request validators fill defaults into the dict they
                 # are given (tool_choice, say); the request to remember is the
-                # one the caller sent.
+                # one the caller sent. Only a stream's request is remembered,
+                # and a body whose stream is absent or false validates only
+                # as the one-shot member: it is not copied (a one-shot
+                # record of a live engine, as every CLI job runs, once paid
+                # 10 µs for the copy).
                 checked = {**checked, endpoint.request_key: copy.deepcopy(body[endpoint.request_key])}
             try:
                 request = self._validated(endpoint, checked)
