@@ -93,7 +93,33 @@ ODD = st.one_of(
     st.just([]), st.just({}), st.just([1]), st.just({"a": 1}), st.integers(1 << 62, 1 << 66), st.just(1.0),
 )  # fmt: skip
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "other", ""])
+CALL = st.fixed_dictionaries(
+    {"id": st.text(max_size=3), "type": st.just("function"),
+     "function": st.fixed_dictionaries({"name": st.text(max_size=3), "arguments": st.text(max_size=6)})},
+)  # fmt: skip
+ODD_CALL = st.one_of(
+    ODD, st.fixed_dictionaries({"id": ODD, "type": st.sampled_from(["function", "other"]), "function": st.one_of(ODD, st.just({"name": "n"}), st.just({"name": "n", "arguments": {}}))}),
+    st.just({"id": "i", "type": "function", "function": {"name": "n", "arguments": "{}"}, "index": 0}),
+)  # fmt: skip
+SHAPED = st.fixed_dictionaries(
+    {"role": ROLES},
+    optional={
+        "content": st.one_of(st.text(max_size=6), st.none()), "name": st.text(max_size=3),
+        "tool_call_id": st.text(max_size=3), "reasoning": st.text(max_size=3),
+        "tool_calls": st.one_of(st.lists(CALL, min_size=1, max_size=2), st.lists(ODD_CALL, max_size=2), st.just([])),
+    },
+)  # fmt: skip
+
+
+@st.composite
+def shuffled(draw: st.DrawFn, dicts: st.SearchStrategy[dict[str, Any]]) -> dict[str, Any]:
+    """A dict with its keys in any order: a message's form must not hang on it."""
+    value = draw(dicts)
+    return {key: value[key] for key in draw(st.permutations(list(value)))}
+
+
 MESSAGE = st.one_of(
+    shuffled(SHAPED),
     st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)}),
     st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)}, optional={"name": st.text(max_size=3), "reasoning_content": ODD, "tool_calls": st.just([]), "tool_call_id": st.just("c1")}),
     st.fixed_dictionaries({"role": ROLES, "content": ODD}),
@@ -152,7 +178,13 @@ OPTIONAL = {
 def usual_requests(draw: st.DrawFn) -> dict[str, Any]:
     """Requests of the usual fields with good values only: each is built."""
     roles = st.sampled_from(["system", "developer", "user", "assistant"])
-    raw: dict[str, Any] = {"messages": draw(st.lists(st.fixed_dictionaries({"role": roles, "content": st.text()}), max_size=5))}
+    text = st.fixed_dictionaries({"role": roles, "content": st.text()}, optional={"name": st.text(max_size=4)})
+    calls = st.fixed_dictionaries(
+        {"role": st.just("assistant"), "content": st.one_of(st.none(), st.text()), "tool_calls": st.lists(CALL, min_size=1, max_size=3)},
+        optional={"reasoning": st.text(max_size=5)},
+    )  # fmt: skip
+    results = st.fixed_dictionaries({"role": st.just("tool"), "content": st.text(), "tool_call_id": st.text(max_size=4)})
+    raw: dict[str, Any] = {"messages": draw(st.lists(shuffled(st.one_of(text, calls, results)), max_size=5))}
     if draw(st.booleans()):
         raw["tools"] = [WEATHER]
         if draw(st.booleans()):
@@ -205,7 +237,10 @@ def requests() -> st.SearchStrategy[dict[str, Any]]:
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_a_built_request_is_vllms_validation_of_it(raw: dict[str, Any]) -> None:
-    event("built" if check(raw) is not None else "validated as before")
+    built = check(raw)
+    event("built" if built is not None else "validated as before")
+    if built is not None and any("tool_calls" in message for message in built.messages):
+        event("built, with tool calls")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -247,7 +282,7 @@ def test_the_request_filled_in_is_the_one_the_engine_answers(qwen3_stack: Any) -
         {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True},
         {"messages": [{"role": "user", "content": "x"}], "temperature": True},  # a bool, not a number
         {"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]},  # renamed by vLLM
-        {"messages": [{"role": "tool", "content": "x"}]},  # needs its tool_call_id
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},  # parts: validated lazily
     ],
 )
 def test_what_validation_refuses_or_changes_is_left_to_it(raw: dict[str, Any]) -> None:

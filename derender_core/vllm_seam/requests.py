@@ -5,7 +5,8 @@ Validating a chat request cost about 20 µs of a 30-token record's 260,
 the largest part of a record the job floor does not pay: twelve Python
 model validators, a wrap validator, a default factory and a private
 attribute's deep copy, around pydantic's own pass over 69 fields. For the
-request a dataset sends (text messages, tools, the usual sampling fields,
+request a dataset sends (text messages, tool calls and their results, tools,
+stop strings, the usual sampling fields,
 each of the exact JSON type its field keeps), that work comes out as the
 raw values and the defaults, with one default filled in (``tool_choice``
 becomes "auto" when tools are given, in the request and in the dict it
@@ -13,10 +14,10 @@ came from, as vLLM's ``check_tool_usage`` does).
 
 `ChatRequests.build` makes that request directly: the defaults are read
 off a request vLLM validated at start-up, the tools go through pydantic
-(their own models), and each message's form is read off vLLM's validation
-of a probe message of its role. Anything else (another field, another
-type, a value vLLM's validators refuse or change, a message with more than
-role and content) gives None, and the caller validates as before, which
+(their own models), and each message's form (the order of its keys) is
+read off vLLM's validation of a probe message of its shape. Anything else
+(another field, another type, a value vLLM's validators refuse or change,
+content that is not a string or null) gives None, and the caller validates as before, which
 words every error as today. The fast decode uses it; ``--decode
 reference`` validates every request.
 
@@ -62,10 +63,6 @@ _BOOLS = frozenset(
 
 _SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 
-_ROLES = ("system", "developer", "user", "assistant")
-"""Roles whose text message ``{"role", "content"}`` vLLM keeps as a plain
-dict (checked at start-up, `_message_forms`)."""
-
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})
 
 
@@ -95,7 +92,7 @@ class ChatRequests:
             for value in self._private.values()
         )
         self._tools = TypeAdapter(list[ChatCompletionToolsParam])
-        self._forms = _message_forms()
+        self._messages = _Messages()
         self.usable = (
             template.__pydantic_extra__ == {}
             and template.__pydantic_fields_set__ == {"messages"}
@@ -109,7 +106,6 @@ class ChatRequests:
         if type(raw) is not dict or not self.usable:
             return None
         values: dict[str, Any] = {}
-        forms = self._forms
         tools = None
         for key, value in raw.items():
             if key == "messages":
@@ -117,14 +113,10 @@ class ChatRequests:
                     return None
                 messages = []
                 for message in value:
-                    if type(message) is not dict or len(message) != 2:
+                    kept = self._messages.kept(message)
+                    if kept is None:
                         return None
-                    role = message.get("role")
-                    content = message.get("content")
-                    form = forms.get(role) if type(role) is str else None
-                    if form is None or type(content) is not str:
-                        return None
-                    messages.append(dict(zip(form, (message[k] for k in form), strict=True)))
+                    messages.append(kept)
                 values[key] = messages
             elif key in _FLOATS:
                 if value is None or type(value) is float:
@@ -217,17 +209,114 @@ def _copies(value: Any) -> Callable[[], Any]:
     return lambda: copy.deepcopy(value)
 
 
-def _message_forms() -> dict[str, tuple[str, ...]]:
-    """Per role, the keys of a text message as vLLM's validation keeps it,
-    in its order; a role whose message comes out as anything but a plain
-    dict of the same role and content is left out."""
-    forms: dict[str, tuple[str, ...]] = {}
-    for role in _ROLES:
-        probe = {"role": role, "content": "probe"}
-        try:
-            kept = ChatCompletionRequest.model_validate({"messages": [dict(probe)]}).messages[0]
-        except Exception:  # noqa: BLE001 - not a usual role here
-            continue
-        if type(kept) is dict and kept == probe:
-            forms[role] = tuple(kept)
-    return forms
+class _Messages:
+    """Messages as vLLM's validation keeps them: a new dict of the same
+    values, its keys in the order of the message type pydantic's union
+    picks, which depends on the role, the keys given and whether content is
+    null. That order is read off vLLM's validation of a probe message of
+    the same shape, once per shape; a shape whose probe comes out as
+    anything else (not a plain dict of the same values) is not kept here.
+
+    A shape is a role, and keys among ``content`` (a string or null),
+    ``name``, ``tool_call_id`` and ``reasoning`` (strings) and
+    ``tool_calls``: a non-empty list of ``{"id", "type": "function",
+    "function": {"name", "arguments"}}``, strings all."""
+
+    _TEXT_KEYS = frozenset({"name", "tool_call_id", "reasoning"})
+
+    def __init__(self) -> None:
+        self._orders: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None] = {}
+
+    def kept(self, message: Any) -> dict[str, Any] | None:
+        if type(message) is not dict:
+            return None
+        role = message.get("role")
+        if type(role) is not str or role not in _ROLES:
+            return None
+        shape: list[Any] = [role]
+        calls = None
+        for key, value in message.items():
+            if key == "role":
+                continue
+            if key == "content":
+                if value is None:
+                    shape.append("content=null")
+                elif type(value) is str:
+                    shape.append("content")
+                else:
+                    return None
+            elif key in self._TEXT_KEYS:
+                if type(value) is not str:
+                    return None
+                shape.append(key)
+            elif key == "tool_calls":
+                if type(value) is not list or not value or not all(_plain_call(call) for call in value):
+                    return None
+                calls = value
+                shape.append(key)
+            else:
+                return None
+        key = tuple(sorted(shape[1:], key=str)) + (role,)
+        orders = self._orders.get(key, False)
+        if orders is False:
+            orders = self._orders[key] = _probed(role, shape[1:])
+        if orders is None:
+            return None
+        order, call_order, function_order = orders
+        kept = {name: message[name] for name in order}
+        if calls is not None:
+            kept["tool_calls"] = [
+                {
+                    name: ({k: call[name][k] for k in function_order} if name == "function" else call[name])
+                    for name in call_order
+                }
+                for call in calls
+            ]
+        return kept
+
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+_CALL_KEYS = frozenset({"id", "type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "arguments"})
+
+
+def _plain_call(call: Any) -> bool:
+    """A tool call of strings only, as chat datasets write them."""
+    if type(call) is not dict or call.keys() != _CALL_KEYS or call["type"] != "function":
+        return False
+    function = call["function"]
+    return (
+        type(call["id"]) is str
+        and type(call["type"]) is str
+        and type(function) is dict
+        and function.keys() == _FUNCTION_KEYS
+        and type(function["name"]) is str
+        and type(function["arguments"]) is str
+    )
+
+
+def _probed(role: str, keys: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
+    """The key orders vLLM's validation gives a message of this shape (the
+    message's, a tool call's, its function's), or None where it does not
+    keep the message as a plain dict of the same values."""
+    probe: dict[str, Any] = {"role": role}
+    for key in keys:
+        if key == "content=null":
+            probe["content"] = None
+        elif key == "tool_calls":
+            probe[key] = [{"id": "i", "type": "function", "function": {"name": "n", "arguments": "{}"}}]
+        else:
+            probe[key] = "probe"
+    try:
+        kept = ChatCompletionRequest.model_validate({"messages": [copy.deepcopy(probe)]}).messages[0]
+    except Exception:  # noqa: BLE001 - a shape validation refuses
+        return None
+    if type(kept) is not dict or kept != probe or any(type(kept[k]) is not type(probe[k]) for k in probe):
+        return None
+    if "tool_calls" not in kept:
+        return tuple(kept), (), ()
+    call = kept["tool_calls"][0]
+    if type(call) is not dict or type(call["function"]) is not dict:
+        return None
+    return tuple(kept), tuple(call), tuple(call["function"])
