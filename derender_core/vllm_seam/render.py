@@ -629,7 +629,6 @@ _HANDLER_REQUEST: Any = SimpleNamespace(
 
 
 @functools.cache
-@functools.cache
 def _chat_requests() -> ChatRequests:
     from .requests import ChatRequests
 
@@ -639,9 +638,7 @@ def _chat_requests() -> ChatRequests:
 @functools.cache
 def _validation_loggers() -> tuple[logging.Logger, ...]:
     """The loggers of the modules whose request models validate a derender
-    body (their validators log at debug level), and vLLM's own above them.
-    Looked up once: a logger, once made, is the one its name gives for the
-    life of the process, and looking six up cost a record 4 µs."""
+    body (their validators log at debug level), and vLLM's own above them."""
     names = (
         "vllm",
         "vllm.entrypoints.serve.engine.protocol",
