@@ -5,26 +5,27 @@ Validating a chat request cost about 20 µs of a 30-token record's 260,
 the largest part of a record the job floor does not pay: twelve Python
 model validators, a wrap validator, a default factory and a private
 attribute's deep copy, around pydantic's own pass over 69 fields. For the
-request a dataset sends (text messages, tool calls and their results, tools,
-stop strings, the usual sampling fields,
-each of the exact JSON type its field keeps), that work comes out as the
-raw values and the defaults, with one default filled in (``tool_choice``
-becomes "auto" when tools are given, in the request and in the dict it
-came from, as vLLM's ``check_tool_usage`` does).
+request a dataset sends (text messages, tool calls and their results,
+tools, stop strings, the usual sampling fields, each of the exact JSON
+type its field keeps), that work comes out as the raw values and the
+defaults, with one default filled in (``tool_choice`` becomes "auto" when
+tools are given, in the request and in the dict it came from, as vLLM's
+``check_tool_usage`` does).
 
 `ChatRequests.build` makes that request directly: the defaults are read
 off a request vLLM validated at start-up, the tools go through pydantic
 (their own models), and each message's form (the order of its keys) is
 read off vLLM's validation of a probe message of its shape. Anything else
 (another field, another type, a value vLLM's validators refuse or change,
-content that is not a string or null) gives None, and the caller validates as before, which
-words every error as today. The fast decode uses it; ``--decode
-reference`` validates every request.
+content that is not a string or null) gives None, and the caller
+validates as before, which words every error as today. The fast decode
+uses it; ``--decode reference`` validates every request.
 
 ``tests/test_requests.py`` checks, on hypothesis-drawn requests mixing the
-usual fields with odd values, that every request built here equals vLLM's
-validation of it: each field's value and type, the fields set, the extras,
-the private attributes, the dump, and the dict it came from afterwards.
+usual fields and messages with odd values, that every request built here
+equals vLLM's validation of it: each field's value, type and order, the
+fields set, the extras, the private attributes, the dump, and the dict it
+came from afterwards.
 """
 
 from __future__ import annotations
