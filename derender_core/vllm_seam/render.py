@@ -268,8 +268,8 @@ class DerenderEngine(CodeAPI):
                 # one the caller sent. Only a stream's request is remembered,
                 # and a body whose stream is absent or false validates only
                 # as the one-shot member: it is not copied (a one-shot
-                # record of a live engine, as every CLI job runs, once paid
-                # 10 µs for the copy).
+                # record of a live engine, as every CLI job runs, paid 16
+                # to 34 µs for the copy).
                 checked = {**checked, endpoint.request_key: copy.deepcopy(body[endpoint.request_key])}
             try:
                 request = self._validated(endpoint, checked)
