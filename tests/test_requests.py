@@ -282,7 +282,7 @@ def test_the_request_filled_in_is_the_one_the_engine_answers(qwen3_stack: Any) -
         {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True},
         {"messages": [{"role": "user", "content": "x"}], "temperature": True},  # a bool, not a number
         {"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]},  # renamed by vLLM
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},  # parts: validated lazily
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},  # content parts: not built
     ],
 )
 def test_what_validation_refuses_or_changes_is_left_to_it(raw: dict[str, Any]) -> None:

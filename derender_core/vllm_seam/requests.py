@@ -226,7 +226,7 @@ class _Messages:
     _TEXT_KEYS = frozenset({"name", "tool_call_id", "reasoning"})
 
     def __init__(self) -> None:
-        self._orders: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None] = {}
+        self._orders: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None] = {}
 
     def kept(self, message: Any) -> dict[str, Any] | None:
         if type(message) is not dict:
@@ -234,7 +234,7 @@ class _Messages:
         role = message.get("role")
         if type(role) is not str or role not in _ROLES:
             return None
-        shape: list[Any] = [role]
+        shape: list[str] = []
         calls = None
         for key, value in message.items():
             if key == "role":
@@ -257,10 +257,10 @@ class _Messages:
                 shape.append(key)
             else:
                 return None
-        key = tuple(sorted(shape[1:], key=str)) + (role,)
-        orders = self._orders.get(key, False)
+        known = (role, *sorted(shape))
+        orders = self._orders.get(known, False)
         if orders is False:
-            orders = self._orders[key] = _probed(role, shape[1:])
+            orders = self._orders[known] = _probed(role, shape)
         if orders is None:
             return None
         order, call_order, function_order = orders
