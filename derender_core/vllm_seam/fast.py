@@ -541,13 +541,30 @@ class FastDerenderer(OnlineDerenderer):
         chat_request: ChatCompletionRequest | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> list[ChatCompletionResponseChoice]:
-        """vLLM's ``_derender_chat``, line for line, with the table's
-        logprobs written as JSON (`spliced`) instead of models."""
-        self.spliced = []
+        """vLLM's ``_derender_chat``, with the table's logprobs written as
+        JSON (`spliced`) instead of models."""
         if self.table is None or not self.fast:
+            self.spliced = []
             return super()._derender_chat(generate_response, chat_request, prompt_token_ids)
+        return [
+            ChatCompletionResponseChoice(**fields)
+            for fields in self.chat_choice_fields(generate_response, chat_request, prompt_token_ids)
+        ]
+
+    def chat_choice_fields(
+        self,
+        generate_response: GenerateTokensResponse,
+        chat_request: ChatCompletionRequest | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """vLLM's ``_derender_chat``, line for line, up to each
+        ``ChatCompletionResponseChoice``: the fields it is built from, for
+        `responses.DirectResponses` to write where the model would only be
+        dumped. Only for the fast decode (`fast`)."""
+        assert self.table is not None
+        self.spliced = []
         tokenizer = self.tokenizer
-        choices: list[ChatCompletionResponseChoice] = []
+        choices: list[dict[str, Any]] = []
         has_parser = self.parser is not None and chat_request is not None
         skip_special, spaces_between = _decode_params(tokenizer, chat_request, preserve_special=has_parser)
         seed_ids = prompt_token_ids if prompt_token_ids is not None else generate_response.prompt_token_ids
@@ -580,14 +597,14 @@ class FastDerenderer(OnlineDerenderer):
             else:
                 message = ChatMessage(role="assistant", content=decoded_text)
             choices.append(
-                ChatCompletionResponseChoice(
-                    index=choice.index,
-                    message=message,
-                    logprobs=resolved_logprobs,
-                    finish_reason=resolve_finish_reason(choice.finish_reason, chat_request, bool(message.tool_calls)),
-                    stop_reason=stop_reason,
-                    token_ids=choice.token_ids if return_token_ids else None,
-                )
+                {
+                    "index": choice.index,
+                    "message": message,
+                    "logprobs": resolved_logprobs,
+                    "finish_reason": resolve_finish_reason(choice.finish_reason, chat_request, bool(message.tool_calls)),
+                    "stop_reason": stop_reason,
+                    "token_ids": choice.token_ids if return_token_ids else None,
+                }
             )
             self.spliced.append(spliced)
         return choices

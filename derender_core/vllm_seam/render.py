@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from pydantic import TypeAdapter
 
     from .live import ChunkLane, KnownRequest
+    from .responses import DirectResponses
     from .requests import ChatRequests
 
 REQUESTS_KEPT = 4096
@@ -513,13 +514,20 @@ class DerenderEngine(CodeAPI):
             chunk, stream_state = result
             return stream_answer(chunk.model_dump(), stream_state)
 
-        if endpoint is Endpoint.CHAT:
+        if self.decode == "fast":
+            # vLLM's handlers, writing the dict their models would only be
+            # dumped to (`responses.DirectResponses`).
+            direct = _direct_responses(self._serving)
+            result = await (direct.chat(request) if endpoint is Endpoint.CHAT else direct.completion(request))
+        elif endpoint is Endpoint.CHAT:
             result = await self._serving.derender_chat_response(request)
         else:
             result = await self._serving.derender_completion_response(request)
         if isinstance(result, ErrorResponse):
             return json_answer(result.model_dump(), result.error.code)
         spliced = self._serving.online_derenderer.spliced
+        if isinstance(result, dict):  # a plain response, as its model dumps it
+            return json_answer(result, spliced=spliced, plain=True)
         if self.decode == "fast" and plain_model(result):
             return json_answer(result.model_dump(), spliced=spliced, plain=True)
         return json_answer(result.model_dump(), spliced=spliced)
@@ -558,6 +566,15 @@ class DerenderEngine(CodeAPI):
                 raise
             return self.internal_error(failure)
         return Answer(response.status_code, bytes(response.body))
+
+
+@functools.cache
+def _direct_responses(serving: Any) -> DirectResponses:
+    """The fast decode's one-shot handlers over `serving`, made once per
+    stack (vLLM's models dump their templates then)."""
+    from .responses import DirectResponses
+
+    return DirectResponses(serving)
 
 
 @functools.cache

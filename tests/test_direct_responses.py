@@ -1,0 +1,165 @@
+"""The fast decode's one-shot handlers (`responses.DirectResponses`), which
+write the dict vLLM's response models would only be dumped to, against
+vLLM's own handlers (``derender_chat_response`` and
+``derender_completion_response``, run by ``--decode reference``).
+
+Bodies are drawn from the sample's corpus with the fields the handlers
+read varied: ``kv_transfer_params``, ``metrics`` and ``prompt_logprobs``
+(which keep vLLM's models), ``return_token_ids``, ``include_reasoning``,
+logprobs, stop reasons, the model name, prompt counts past 64 bits,
+missing request ids, empty outputs, and completions whose responses
+disagree on ``kv_transfer_params`` (vLLM warns). The answers must be the
+same bytes, ``created`` and random ids blanked, with the same vLLM log
+lines; bodies that stay plain must take the direct writer."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from derender_core import DerenderEngine, Endpoint
+from derender_core.logs import collected_vllm_logs
+from tests.conftest import sample_config
+from tests.helpers import normalized_bytes
+from tests.sample_inputs import SampleBuilder, chat_bodies, completion_bodies, qwen3_family
+
+Corpus = list[tuple[Endpoint, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[DerenderEngine, DerenderEngine, Corpus]]:
+    engine = DerenderEngine.build(sample_config())
+    b = SampleBuilder(qwen3_family(Path(sample_config().model or "")))
+    corpus: Corpus = [(Endpoint.CHAT, body) for body in chat_bodies(b)]
+    corpus += [(Endpoint.COMPLETION, body) for body in completion_bodies(b)]
+    yield engine, engine.in_mode(decode="reference"), corpus
+    engine.close()
+
+
+ANYTHING = st.sampled_from(["absent", None, {}, {"a": 1}, {"a": 1.5}, [], "x", 7])
+RESPONSE_FIELDS = {
+    "kv_transfer_params": ANYTHING,
+    "metrics": st.sampled_from(["absent", None, {}, {"arrival_time": 1.0}]),
+    "prompt_logprobs": st.sampled_from(["absent", None, [None], [None, {"7": {"logprob": -0.5}}]]),
+    "request_id": st.sampled_from(["absent", "r-1", "", "é\u2028"]),
+    "model": st.sampled_from(["absent", None, "m"]),
+}
+REQUEST_FIELDS = {
+    "return_token_ids": st.sampled_from(["absent", True, False]),
+    "include_reasoning": st.sampled_from(["absent", True, False]),
+    "logprobs": st.sampled_from(["absent", True, False]),
+    "top_logprobs": st.sampled_from(["absent", 0, 2]),
+    "model": st.sampled_from(["absent", None, "qwen3-sample"]),
+}
+CHOICE_FIELDS = {
+    "stop_reason": st.sampled_from(["absent", None, 0, 7, "stop", "</s>"]),
+    "finish_reason": st.sampled_from(["absent", None, "stop", "length", "abort"]),
+    "token_ids": st.sampled_from(["keep", "keep", []]),
+}
+BODY_FIELDS = {
+    "model": st.sampled_from(["absent", None, "qwen3-sample", "other"]),
+    "prompt_tokens": st.sampled_from(["absent", None, 0, 3, 2**70]),
+}
+
+
+def _vary(data: Any, target: dict[str, Any], fields: dict[str, Any], label: str) -> None:
+    for key, values in fields.items():
+        if not data.draw(st.booleans(), label=f"vary {label}.{key}"):
+            continue
+        value = data.draw(values, label=f"{label}.{key}")
+        if value == "keep":
+            continue
+        if value == "absent":
+            target.pop(key, None)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def _drawn(data: Any, corpus: Corpus) -> tuple[Endpoint, dict[str, Any]]:
+    endpoint, base = data.draw(st.sampled_from(corpus), label="base body")
+    body = copy.deepcopy(base)
+    _vary(data, body, BODY_FIELDS, "body")
+    if isinstance(body.get(endpoint.request_key), dict):
+        _vary(data, body[endpoint.request_key], REQUEST_FIELDS, "request")
+    responses = [body["generate_response"]] if endpoint is Endpoint.CHAT else body["generate_responses"]
+    for response in responses:
+        _vary(data, response, RESPONSE_FIELDS, "response")
+        for choice in response["choices"]:
+            _vary(data, choice, CHOICE_FIELDS, "choice")
+    return endpoint, body
+
+
+def _answer(engine: DerenderEngine, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Any, ...]:
+    import vllm.logger
+
+    vllm.logger._print_warning_once.cache_clear()
+    with collected_vllm_logs(verbose=False) as logs:
+        answer = engine.post(endpoint, copy.deepcopy(body))
+    raw = answer.raw
+    if _random_id(endpoint, body):  # in the answer's id, or in an error's words
+        raw = re.sub(rb"\b[0-9a-f]{16,32}\b", b"<random id>", raw)
+    return answer.status, normalized_bytes(raw), [line.key for line in logs]
+
+
+def _random_id(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Whether an id in the answer may be drawn at random: a response
+    gives none."""
+    responses = [body["generate_response"]] if endpoint is Endpoint.CHAT else body["generate_responses"]
+    return any("request_id" not in response for response in responses)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_the_direct_answers_are_vllms_handlers_answers(
+    engines: tuple[DerenderEngine, DerenderEngine, Corpus], data: Any
+) -> None:
+    engine, reference, corpus = engines
+    endpoint, body = _drawn(data, corpus)
+    answer = _answer(engine, endpoint, body)
+    event(f"{endpoint.value} {answer[0]}")
+    assert answer == _answer(reference, endpoint, body)
+
+
+def _handled(engine: DerenderEngine, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+    """What the fast decode's handler answers for `body`, before it is
+    written: a dict (written directly), a response model or an error."""
+    from derender_core.vllm_seam.render import _direct_responses
+
+    engine.post(endpoint, copy.deepcopy(body))  # the parsers' lexicon, shared
+    request = engine._validated(endpoint, copy.deepcopy(body))
+    direct = _direct_responses(engine._serving)
+    handler = direct.chat if endpoint is Endpoint.CHAT else direct.completion
+    return engine._run(handler(request))
+
+
+def test_plain_answers_are_written_directly_and_the_rest_keep_vllms_models(
+    engines: tuple[DerenderEngine, DerenderEngine, Corpus],
+) -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+
+    engine, _, corpus = engines
+    for endpoint, body in corpus:
+        model = ChatCompletionResponse if endpoint is Endpoint.CHAT else CompletionResponse
+        handled = _handled(engine, endpoint, body)
+        assert type(handled) in (dict, model), (endpoint, type(handled))
+        # The sample's own answers carry no logprobs models: all direct.
+        assert type(handled) is dict, body
+        held = copy.deepcopy(body)
+        responses = [held["generate_response"]] if endpoint is Endpoint.CHAT else held["generate_responses"]
+        for response in responses:
+            response["kv_transfer_params"] = {"k": 1}
+        assert type(_handled(engine, endpoint, held)) is model
+        for response in responses:
+            response["kv_transfer_params"] = None
+        responses[0]["metrics"] = {}
+        # A completion of several prompts drops the metrics (vLLM: they
+        # describe one prompt), and is plain again.
+        assert type(_handled(engine, endpoint, held)) is (model if len(responses) == 1 else dict)
