@@ -42,7 +42,8 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn
 
 import orjson
 
@@ -63,8 +64,8 @@ _RESET = "reset"
 WORKERS_PER_CPU = 4
 """More workers than this per usable core only share the same cores."""
 FILES_PER_WORKER = 8
-"""Descriptors this process holds per worker (its two queues' pipes and
-locks, its sentinel), with room to spare."""
+"""Descriptors this process holds per worker (its queue's pipe and locks,
+its answer pipe, its sentinel), with room to spare."""
 FILES_KEPT = 64
 """Descriptors left for everything else: inputs, outputs, vLLM's own."""
 _PR_SET_PDEATHSIG = 1
@@ -147,7 +148,14 @@ class WorkerPool:
         stop still lets finish (they are answered and written, not lost)."""
         context = multiprocessing.get_context("fork")
         self._inboxes: list[Any] = [context.Queue() for _ in range(workers)]
-        self._outboxes: list[Any] = [context.Queue() for _ in range(workers)]
+        # Answers come back over a plain pipe each, written by the worker's
+        # own thread: a queue's feeder thread cost a worker a few µs of CPU
+        # a record in thread hand-offs, and its lock a syscall a batch. A
+        # worker blocked on a full pipe waits only for this process, whose
+        # own writes go through the inboxes' feeder threads, never blocked.
+        pipes = [context.Pipe(duplex=False) for _ in range(workers)]
+        self._outboxes: list[Connection] = [reader for reader, _ in pipes]
+        writers = [writer for _, writer in pipes]
         # No event loop may be shared with the children; the engine opens a
         # new one when it is next used here.
         engine.close()
@@ -158,7 +166,7 @@ class WorkerPool:
         self._processes = [
             context.Process(
                 target=_work,
-                args=(index, engine, requests, self._inboxes[index], self._outboxes[index], os.getpid()),
+                args=(index, engine, requests, self._inboxes[index], writers[index], os.getpid(), [*self._outboxes, *writers]),
                 name=f"derender-worker-{index}",
                 daemon=True,
             )
@@ -166,6 +174,10 @@ class WorkerPool:
         ]
         for process in self._processes:
             process.start()
+        # Each answer pipe's only writer is its worker now, so a worker that
+        # dies leaves its pipe at end of file.
+        for writer in writers:
+            writer.close()
         self.startup_seconds = time.perf_counter() - started
 
     def __enter__(self) -> WorkerPool:
@@ -212,8 +224,7 @@ class WorkerPool:
                 worker, record = order.popleft()
                 if not ready[worker]:
                     send(worker)  # what is awaited may still sit in its batch
-                    ready[worker].extend(self._receive(worker))
-                    outstanding[worker] -= 1
+                    self._collect(worker, outstanding, ready)
                 outcome = ready[worker].popleft()
                 if record is not None and outcome is not None:
                     yield record, outcome
@@ -254,25 +265,48 @@ class WorkerPool:
                 yield from answered(max(limit - BATCH_RECORDS, 0))
         yield from drain()
 
+    def _collect(self, wanted: int, outstanding: list[int], ready: list[deque[Outcome | None]]) -> None:
+        """Receive batches of outcomes until worker `wanted` has sent one,
+        waiting as long as it lives.
+
+        Whatever another worker has sent meanwhile is taken too: a worker
+        writes its answers itself, so one whose pipe is full waits, and it
+        must not wait on this process waiting on `wanted`.
+        """
+        while not ready[wanted]:
+            waiting = {self._outboxes[worker]: worker for worker in range(self.size) if outstanding[worker]}
+            sent = wait(list(waiting), timeout=_POLL_SECONDS)
+            if not sent:
+                for worker in waiting.values():
+                    if not self._processes[worker].is_alive():
+                        self._lost(worker)
+            for outbox in sent:
+                worker = waiting[outbox]  # type: ignore[index]
+                ready[worker].extend(self._receive(worker))
+                outstanding[worker] -= 1
+
     def _receive(self, worker: int) -> list[Outcome | None]:
-        """The next batch of outcomes from `worker`, waiting as long as it
-        lives."""
-        while True:
-            try:
-                message = self._outboxes[worker].get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                process = self._processes[worker]
-                if not process.is_alive():
-                    raise WorkerLost(
-                        f"worker process {process.pid} exited with status {process.exitcode}"
-                    ) from None
-                continue
-            if isinstance(message, _Failed):
-                raise WorkerLost(f"worker {message.worker} failed:\n{message.traceback}")
-            return [None if wire is None else decode_outcome(wire) for wire in message]
+        """The batch of outcomes `worker` has sent (its pipe is readable)."""
+        try:
+            message = pickle.loads(self._outboxes[worker].recv_bytes())
+        except EOFError:  # the worker is gone, its pipe closed
+            self._lost(worker)
+        if isinstance(message, _Failed):
+            raise WorkerLost(f"worker {message.worker} failed:\n{message.traceback}")
+        return [None if wire is None else decode_outcome(wire) for wire in message]
+
+    def _lost(self, worker: int) -> NoReturn:
+        process = self._processes[worker]
+        process.join(timeout=_POLL_SECONDS)
+        raise WorkerLost(f"worker process {process.pid} exited with status {process.exitcode}") from None
 
     def close(self) -> None:
         """Stop the workers: they finish the batch at hand and exit."""
+        # Answers still on their way are not read now (a run that failed
+        # leaves some): a worker waiting to write them finds its pipe broken
+        # and exits, rather than waiting for the deadline below.
+        for outbox in self._outboxes:
+            outbox.close()
         for inbox in self._inboxes:
             inbox.put(None)
         deadline = time.monotonic() + 10
@@ -281,9 +315,9 @@ class WorkerPool:
             if process.is_alive():
                 process.terminate()
                 process.join()
-        for box in (*self._inboxes, *self._outboxes):
-            box.cancel_join_thread()
-            box.close()
+        for inbox in self._inboxes:
+            inbox.cancel_join_thread()
+            inbox.close()
         gc.unfreeze()
 
 
@@ -292,17 +326,19 @@ def _work(
     engine: Derenderer,
     requests: RequestIndex | None,
     inbox: Any,
-    outbox: Any,
+    outbox: Connection,
     parent: int,
+    answer_pipes: list[Connection],
 ) -> None:
     """A worker's loop: batches of records in, batches of outcomes out."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Exiting must never wait to flush answers into a pipe nobody reads: a
-    # parent killed outright (SIGKILL) leaves the pipe full, and a worker
-    # waiting on it would live on, holding the run's stdout and stderr. A
-    # parent that is alive has read every answer before it says stop.
-    outbox.cancel_join_thread()
+    # Of the answer pipes, only the writing end of its own stays open here:
+    # a parent gone leaves no reader (the write fails, where the kernel does
+    # not kill this worker first), and no other worker's pipe is held open.
+    for end in answer_pipes:
+        if end is not outbox:
+            end.close()
     engine.after_fork()
     processor: RecordProcessor | None = None
     whole_stream_answers = True
@@ -328,10 +364,17 @@ def _work(
                     results.append(None)
                 else:
                     results.append(answered(processor, item, whole_stream_answers))
+            answers = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            outbox.put(_Failed(index, traceback.format_exc()))
+            answers, failed = pickle.dumps(_Failed(index, traceback.format_exc())), True
+        else:
+            failed = False
+        try:
+            outbox.send_bytes(answers)
+        except OSError:  # a broken pipe: the parent no longer reads (`close`)
             return
-        outbox.put(results)
+        if failed:
+            return
 
 
 def _die_with_parent(parent: int) -> None:

@@ -132,6 +132,23 @@ def test_stream_keys_spread_over_both_workers(stack: Stack, pools: dict[str, Wor
     assert workers == {0, 1}
 
 
+def test_a_pool_left_with_answers_unread_closes_with_its_workers_exiting(qwen3_stack: Stack) -> None:
+    """A run that stops reading answers (its output failed, say) leaves
+    some on their way, and a worker writing them waits on a full pipe:
+    closing the pool breaks those pipes, so every worker exits by itself
+    (status 0) rather than being terminated at the deadline."""
+    lines = [orjson.dumps(body) for body in chat_bodies(qwen3_stack.builder)] * 1000
+    pool = WorkerPool(qwen3_stack.engine, 2)
+    try:
+        outcomes = pool.answering(Job(Endpoint.CHAT))(iter_records(io.BytesIO(b"\n".join(lines) + b"\n")))
+        next(outcomes)
+        time.sleep(1)  # the workers answer on and fill their pipes
+        outcomes.close()
+    finally:
+        pool.close()
+    assert [process.exitcode for process in pool._processes] == [0, 0]
+
+
 # --- resume -----------------------------------------------------------------
 
 
@@ -400,9 +417,9 @@ def test_cli_killed_at_a_random_point_then_resumed(
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     if command == "chat":
-        # Enough records that the run outlasts the kill's random moment
-        # (1,600 take about a second on the fast decode).
-        lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 2400
+        # Enough records that the run outlasts the kill's random moment (up
+        # to 1.5 s after the first answer): 9,600 took 1.3 s with -j 2.
+        lines = [orjson.dumps(b) for b in chat_bodies(stack.builder)] * 8000
         job = Job(Endpoint.CHAT)
     else:
         lines = []
