@@ -88,8 +88,8 @@ def check_body(
 
 
 def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
-    response_key = next((key for key in _RESPONSE_KEYS if key in body), None)
-    if response_key is not None and "generate_chunk" in body:
+    response_key = next((key for key in _RESPONSE_KEYS if key in body), None) if "generate_chunk" in body else None
+    if response_key is not None:
         raise _Found(
             f"generate_chunk: the body also holds {response_key}; a derender call "
             "takes a whole response or one stream chunk, not both"

@@ -275,6 +275,7 @@ class WorkerPool:
         """
         while not ready[wanted]:
             waiting = {self._outboxes[worker]: worker for worker in range(self.size) if outstanding[worker]}
+            assert outstanding[wanted], "an awaited answer has no batch on its way"
             sent = wait(list(waiting), timeout=_POLL_SECONDS)
             if not sent:
                 for worker in waiting.values():
