@@ -34,6 +34,7 @@ import os
 import pickle
 import queue
 import resource
+import selectors
 import signal
 import sys
 import time
@@ -42,7 +43,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 import orjson
@@ -178,6 +179,10 @@ class WorkerPool:
         # dies leaves its pipe at end of file.
         for writer in writers:
             writer.close()
+        self._answers = selectors.DefaultSelector()
+        """The answer pipes, each keyed to its worker, watched together."""
+        for worker, outbox in enumerate(self._outboxes):
+            self._answers.register(outbox, selectors.EVENT_READ, worker)
         self.startup_seconds = time.perf_counter() - started
 
     def __enter__(self) -> WorkerPool:
@@ -274,15 +279,14 @@ class WorkerPool:
         must not wait on this process waiting on `wanted`.
         """
         while not ready[wanted]:
-            waiting = {self._outboxes[worker]: worker for worker in range(self.size) if outstanding[worker]}
             assert outstanding[wanted], "an awaited answer has no batch on its way"
-            sent = wait(list(waiting), timeout=_POLL_SECONDS)
-            if not sent:
-                for worker in waiting.values():
-                    if not self._processes[worker].is_alive():
-                        self._lost(worker)
-            for outbox in sent:
-                worker = waiting[outbox]  # type: ignore[index]
+            sent = self._answers.select(timeout=_POLL_SECONDS)
+            if not sent and not self._processes[wanted].is_alive():
+                self._lost(wanted)
+            for key, _ in sent:
+                worker = key.data
+                if not outstanding[worker]:  # it sent nothing: its pipe is at end of file
+                    self._lost(worker)
                 ready[worker].extend(self._receive(worker))
                 outstanding[worker] -= 1
 
@@ -306,6 +310,7 @@ class WorkerPool:
         # Answers still on their way are not read now (a run that failed
         # leaves some): a worker waiting to write them finds its pipe broken
         # and exits, rather than waiting for the deadline below.
+        self._answers.close()
         for outbox in self._outboxes:
             outbox.close()
         for inbox in self._inboxes:

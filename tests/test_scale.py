@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import random
 import re
 import signal
@@ -147,6 +148,37 @@ def test_a_pool_left_with_answers_unread_closes_with_its_workers_exiting(qwen3_s
     finally:
         pool.close()
     assert [process.exitcode for process in pool._processes] == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["killed", "failed"])
+def test_a_worker_lost_mid_run_ends_the_run(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A worker killed mid-run (its answer pipe at end of file), or one
+    whose loop hits a bug (it sends its traceback), ends the run with
+    `WorkerLost` naming it, while the answers before it came out in order."""
+    from derender_core import workers
+
+    if how == "failed":
+
+        def broken(processor: Any, record: Any, whole_stream_answers: bool) -> Any:
+            if record.number > 200:
+                raise RuntimeError("a bug in the worker's loop")
+            return answered(processor, record, whole_stream_answers)
+
+        answered = workers.answered
+        monkeypatch.setattr(workers, "answered", broken)  # the workers are forked with it
+    lines = [orjson.dumps(body) for body in chat_bodies(qwen3_stack.builder)] * 1000
+    with WorkerPool(qwen3_stack.engine, 2) as pool:
+        outcomes = pool.answering(Job(Endpoint.CHAT))(iter_records(io.BytesIO(b"\n".join(lines) + b"\n")))
+        numbers = [next(outcomes)[0].number]
+        if how == "killed":
+            os.kill(pool._processes[1].pid, signal.SIGKILL)
+        with pytest.raises(workers.WorkerLost) as lost:
+            numbers += [record.number for record, _ in outcomes]
+    assert numbers == list(range(1, len(numbers) + 1))
+    if how == "killed":
+        assert f"worker process {pool._processes[1].pid} exited with status -9" in str(lost.value)
+    else:
+        assert "a bug in the worker's loop" in str(lost.value) and len(numbers) <= 200
 
 
 # --- resume -----------------------------------------------------------------
