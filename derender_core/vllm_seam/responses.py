@@ -45,15 +45,16 @@ class DirectResponses:
 
     def __init__(self, serving: Any) -> None:
         self.serving = serving
-        usage = UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        self._usage = usage.model_dump()
+        usage = _usage(0, 0)
+        self._usage_fields = usage.model_dump()
         self._chat = ChatCompletionResponse(model="", choices=[], usage=usage).model_dump()
         self._chat_choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="")).model_dump()
         self._completion = CompletionResponse(model="", choices=[], usage=usage).model_dump()
 
     def _usage_dict(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """What `_usage(prompt_tokens, completion_tokens).model_dump()` gives."""
         return {
-            **self._usage,
+            **self._usage_fields,
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -152,11 +153,7 @@ class DirectResponses:
             model=model_name,
             created=created,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=_usage(prompt_tokens, completion_tokens),
             prompt_logprobs=gen.prompt_logprobs,
             prompt_token_ids=prompt_token_ids,
             kv_transfer_params=gen.kv_transfer_params,
@@ -207,7 +204,6 @@ class DirectResponses:
             and metrics is None
             and type(first.request_id) is str
             and type(model_name) is str
-            and type(total_prompt_tokens) is int
             and all(plain_model(choice) for choice in choices)
         ):
             return {
@@ -223,14 +219,19 @@ class DirectResponses:
             model=model_name,
             created=created,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=total_prompt_tokens,
-                completion_tokens=total_completion_tokens,
-                total_tokens=total_prompt_tokens + total_completion_tokens,
-            ),
+            usage=_usage(total_prompt_tokens, total_completion_tokens),
             kv_transfer_params=kv_params,
             metrics=metrics,
         )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The handlers' ``UsageInfo``."""
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 _PLAIN_SCALARS = (str, int, type(None))
