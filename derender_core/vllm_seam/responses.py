@@ -47,9 +47,10 @@ class DirectResponses:
         self.serving = serving
         usage = _usage(0, 0)
         self._usage_fields = usage.model_dump()
-        self._chat = ChatCompletionResponse(model="", choices=[], usage=usage).model_dump()
+        self._templates = {
+            cls: cls(model="", choices=[], usage=usage).model_dump() for cls in (ChatCompletionResponse, CompletionResponse)
+        }
         self._chat_choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="")).model_dump()
-        self._completion = CompletionResponse(model="", choices=[], usage=usage).model_dump()
 
     def _usage_dict(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """What `_usage(prompt_tokens, completion_tokens).model_dump()` gives."""
@@ -90,19 +91,19 @@ class DirectResponses:
                 "markup into content."
             )
         derenderer = serving.online_derenderer
+        choice_fields: list[dict[str, Any]] | None = None
         try:
             # The fast decode's choices as the fields their models are built
             # from (`FastDerenderer.chat_choice_fields`), built into models
             # below only where they are not written directly.
             if getattr(derenderer, "fast", False):
-                fields = derenderer.chat_choice_fields(
+                choice_fields = derenderer.chat_choice_fields(
                     request.generate_response, request.chat_request, request.prompt_token_ids
                 )
             else:
                 choices = await derenderer.derender_chat(
                     request.generate_response, request.chat_request, request.prompt_token_ids
                 )
-                fields = None
         except ValueError as exc:
             return serving.create_error_response(str(exc))
 
@@ -114,7 +115,7 @@ class DirectResponses:
             "derender_chat request_id=%s model=%s choices=%d completion_tokens=%d",
             gen.request_id,
             model_name,
-            len(choices) if fields is None else len(fields),
+            len(choices) if choice_fields is None else len(choice_fields),
             completion_tokens,
         )
         prompt_token_ids = (
@@ -122,40 +123,36 @@ class DirectResponses:
             if request.chat_request is not None and request.chat_request.return_token_ids
             else None
         )
-        created = int(time.time())
-        if (
+        plain = (
             gen.prompt_logprobs is None
             and gen.kv_transfer_params is None
             and gen.metrics is None
             and type(gen.request_id) is str
             and type(model_name) is str
             and (
-                all(map(_plain_choice, fields)) if fields is not None else all(map(plain_model, choices))
+                all(map(_plain_choice, choice_fields))
+                if choice_fields is not None
+                else all(map(plain_model, choices))
             )
-        ):
-            return {
-                **self._chat,
-                "id": gen.request_id,
-                "created": created,
-                "model": model_name,
-                "choices": (
-                    list(map(self._choice_dump, fields))
-                    if fields is not None
-                    else [choice.model_dump() for choice in choices]
-                ),
-                "usage": self._usage_dict(prompt_tokens, completion_tokens),
-                "prompt_token_ids": None if prompt_token_ids is None else list(prompt_token_ids),
-            }
-        if fields is not None:
-            choices = [ChatCompletionResponseChoice(**choice) for choice in fields]
-        return ChatCompletionResponse(
+        )
+        if choice_fields is not None:
+            choices = (
+                list(map(self._choice_dump, choice_fields))
+                if plain
+                else [ChatCompletionResponseChoice(**fields) for fields in choice_fields]
+            )
+        elif plain:
+            choices = [choice.model_dump() for choice in choices]
+        return self._response(
+            ChatCompletionResponse,
+            plain,
+            choices,
+            (prompt_tokens, completion_tokens),
             id=gen.request_id,
             model=model_name,
-            created=created,
-            choices=choices,
-            usage=_usage(prompt_tokens, completion_tokens),
+            created=int(time.time()),
             prompt_logprobs=gen.prompt_logprobs,
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
             kv_transfer_params=gen.kv_transfer_params,
             metrics=gen.metrics,
         )
@@ -198,31 +195,35 @@ class DirectResponses:
             total_completion_tokens,
         )
         metrics = first.metrics if len(request.generate_responses) == 1 else None
-        created = int(time.time())
-        if (
+        plain = (
             kv_params is None
             and metrics is None
             and type(first.request_id) is str
             and type(model_name) is str
-            and all(plain_model(choice) for choice in choices)
-        ):
-            return {
-                **self._completion,
-                "id": first.request_id,
-                "created": created,
-                "model": model_name,
-                "choices": [choice.model_dump() for choice in choices],
-                "usage": self._usage_dict(total_prompt_tokens, total_completion_tokens),
-            }
-        return CompletionResponse(
+            and all(map(plain_model, choices))
+        )
+        return self._response(
+            CompletionResponse,
+            plain,
+            [choice.model_dump() for choice in choices] if plain else choices,
+            (total_prompt_tokens, total_completion_tokens),
             id=first.request_id,
             model=model_name,
-            created=created,
-            choices=choices,
-            usage=_usage(total_prompt_tokens, total_completion_tokens),
+            created=int(time.time()),
             kv_transfer_params=kv_params,
             metrics=metrics,
         )
+
+    def _response(
+        self, cls: type, plain: bool, choices: list[Any], counts: tuple[int, int], **fields: Any
+    ) -> Any:
+        """The handler's response of class `cls`, as its model; or, where
+        `plain` (`choices` then dumped already), the dict the model dumps
+        to: the fields set in place in the template, where every field
+        given that is not set is None, as the template has it."""
+        if plain:
+            return {**self._templates[cls], **fields, "choices": choices, "usage": self._usage_dict(*counts)}
+        return cls(**fields, choices=choices, usage=_usage(*counts))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
