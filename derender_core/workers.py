@@ -372,15 +372,20 @@ def _work(
                     results.append(answered(processor, item, whole_stream_answers))
             answers = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            answers, failed = pickle.dumps(_Failed(index, traceback.format_exc())), True
-        else:
-            failed = False
-        try:
-            outbox.send_bytes(answers)
-        except OSError:  # a broken pipe: the parent no longer reads (`close`)
+            _sent(outbox, pickle.dumps(_Failed(index, traceback.format_exc())))
             return
-        if failed:
+        if not _sent(outbox, answers):
             return
+
+
+def _sent(outbox: Connection, message: bytes) -> bool:
+    """Write a message to the parent; False where the pipe is broken: the
+    parent no longer reads (`WorkerPool.close`), and the worker should end."""
+    try:
+        outbox.send_bytes(message)
+    except OSError:
+        return False
+    return True
 
 
 def _die_with_parent(parent: int) -> None:

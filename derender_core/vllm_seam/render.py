@@ -28,7 +28,7 @@ from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint
-from .answers import json_answer, plain_model, stream_answer
+from .answers import json_answer, stream_answer
 from .parsers import SHARING
 from .renderer import RenderHalf
 from .stack import (
@@ -528,8 +528,6 @@ class DerenderEngine(CodeAPI):
         spliced = self._serving.online_derenderer.spliced
         if isinstance(result, dict):  # a plain response, as its model dumps it
             return json_answer(result, spliced=spliced, plain=True)
-        if self.decode == "fast" and plain_model(result):
-            return json_answer(result.model_dump(), spliced=spliced, plain=True)
         return json_answer(result.model_dump(), spliced=spliced)
 
     def _validation_answer(self, errors: list[dict[str, Any]]) -> Answer:
