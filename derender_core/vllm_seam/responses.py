@@ -84,13 +84,13 @@ class DirectResponses:
         prompt_ids_error = serving._validate_prompt_token_ids([request.prompt_token_ids])
         if prompt_ids_error is not None:
             return prompt_ids_error
-        if serving.online_derenderer.parser is not None and request.chat_request is None:
+        derenderer = serving.online_derenderer
+        if derenderer.parser is not None and request.chat_request is None:
             return serving.create_error_response(
                 "chat_request is required when a tool or reasoning parser is "
                 "configured because plain detokenization would leak raw parser "
                 "markup into content."
             )
-        derenderer = serving.online_derenderer
         choice_fields: list[dict[str, Any]] | None = None
         try:
             # The fast decode's choices as the fields their models are built
