@@ -75,11 +75,13 @@ def check_body(
         _check_shape(body, stream)
         request = body.get(endpoint.request_key)
         n = _requested_choices(request)
-        n_source = f"{endpoint.request_key}.n" if (type(request) is dict or isinstance(request, Mapping)) else None
+        n_source = _N_SOURCES[endpoint] if (type(request) is dict or isinstance(request, Mapping)) else None
         if stream:
-            checker.stream_call(body, n, n_source)
+            if not checker.usual_stream_call(body, n):
+                checker.stream_call(body, n, n_source)
         elif endpoint is Endpoint.CHAT:
-            checker.chat_call(body, n, n_source)
+            if not checker.usual_chat_call(body, n):
+                checker.chat_call(body, n, n_source)
         else:
             checker.completion_call(body, n, n_source)
     except _Found as found:
@@ -87,8 +89,17 @@ def check_body(
     return None
 
 
+_N_SOURCES = {endpoint: f"{endpoint.request_key}.n" for endpoint in Endpoint}
+"""Where a derender call's ``n`` comes from, as its problems name it."""
+
+
 def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
-    response_key = next((key for key in _RESPONSE_KEYS if key in body), None) if "generate_chunk" in body else None
+    response_key = None
+    if "generate_chunk" in body:
+        for key in _RESPONSE_KEYS:
+            if key in body:
+                response_key = key
+                break
     if response_key is not None:
         raise _Found(
             f"generate_chunk: the body also holds {response_key}; a derender call "
@@ -120,9 +131,47 @@ class _Checker:
 
     # --- the three kinds of call -------------------------------------------
 
+    def usual_chat_call(self, body: Mapping[str, Any], n: int | None) -> bool:
+        """True when `chat_call` finds no problem in the usual one-shot body
+        (choices numbered 0..n-1 with good ids, no logprobs), checked in
+        one pass; False when it cannot tell,
+        and `chat_call` then checks the body in full. As in
+        `usual_stream_call`, the prompt ids, the only problem raised here,
+        are checked once the rest is known to be fine."""
+        response = body.get("generate_response")
+        if type(response) is not dict:
+            return False
+        choices = response.get("choices")
+        count = body.get("prompt_tokens")
+        if type(choices) is not list or (count is not None and (type(count) is not int or count < 0)):
+            return False
+        bound = n if n is not None else len(choices)
+        seen: set[int] = set()
+        for choice in choices:
+            if type(choice) is not dict or choice.get("logprobs") is not None:
+                return False
+            index = choice.get("index")
+            if type(index) is not int or not 0 <= index < bound or index in seen:
+                return False
+            seen.add(index)
+            ids = choice.get("token_ids")
+            if ids is not None and (
+                type(ids) is not list or (ids and not self.all_good(ids, negatives_checked_by_vllm=True))
+            ):
+                return False
+        if n is not None and seen and len(seen) != n:  # a choice missing
+            return False
+        ids = response.get("prompt_token_ids")
+        if ids is not None and (
+            type(ids) is not list or (ids and not self.all_good(ids, negatives_checked_by_vllm=True))
+        ):
+            return False
+        self.prompt_ids(body.get("prompt_token_ids"))
+        return True
+
     def chat_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
         self.response("generate_response", body.get("generate_response"), n, n_source, positional=False)
-        self.ids("prompt_token_ids", body.get("prompt_token_ids"), negatives_checked_by_vllm=True)
+        self.prompt_ids(body.get("prompt_token_ids"))
         self.count("prompt_tokens", body.get("prompt_tokens"))
 
     def completion_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
@@ -140,19 +189,49 @@ class _Checker:
             for k, count in enumerate(counts):
                 self.count(f"prompt_tokens[{k}]", count)
 
+    def usual_stream_call(self, body: Mapping[str, Any], n: int | None) -> bool:
+        """True when `stream_call` finds no problem in the usual chunk (one
+        choice of good ids, no logprobs, no state), checked in one pass:
+        every chunk of a stream goes through here. False when it cannot
+        tell, and `stream_call` then checks the body in full. A problem
+        raised here is the one `stream_call` raises first: the prompt ids
+        are checked only once the chunk is known to be fine."""
+        chunk = body.get("generate_chunk")
+        if type(chunk) is not dict:
+            return False
+        choices = chunk.get("choices")
+        if type(choices) is not list or chunk.get("prompt_token_ids") is not None:
+            return False
+        if len(choices) == 1:
+            choice = choices[0]
+            if type(choice) is not dict or choice.get("logprobs") is not None:
+                return False
+            index = choice.get("index")
+            if type(index) is not int or (n is not None and not 0 <= index < n):
+                return False
+            ids = choice.get("token_ids")
+            if ids is not None and (
+                type(ids) is not list or (ids and not self.all_good(ids, negatives_checked_by_vllm=False))
+            ):
+                return False
+        count = body.get("prompt_tokens")
+        if (count is not None and (type(count) is not int or count < 0)) or body.get("stream_state") is not None:
+            return False
+        self.prompt_ids(body.get("prompt_token_ids"))
+        return True
+
     def stream_call(self, body: Mapping[str, Any], n: int | None, n_source: str | None) -> None:
         chunk = body.get("generate_chunk")
         if (type(chunk) is dict or isinstance(chunk, Mapping)):
             choices = chunk.get("choices")
             # vLLM refuses more than one choice per chunk in its own words.
             if isinstance(choices, list) and len(choices) == 1:
-                for i, choice in enumerate(choices):
-                    path = f"generate_chunk.choices[{i}]"
-                    if (type(choice) is dict or isinstance(choice, Mapping)):
-                        self.index(f"{path}.index", choice.get("index"), n, n_source)
-                        # A stream chunk's ids are plain ints to vLLM: negatives pass.
-                        self.ids(f"{path}.token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
-                        self.logprobs(f"{path}.logprobs", choice.get("logprobs"))
+                choice = choices[0]
+                if (type(choice) is dict or isinstance(choice, Mapping)):
+                    self.index("generate_chunk.choices[0].index", choice.get("index"), n, n_source)
+                    # A stream chunk's ids are plain ints to vLLM: negatives pass.
+                    self.ids("generate_chunk.choices[0].token_ids", choice.get("token_ids"), negatives_checked_by_vllm=False)
+                    self.logprobs("generate_chunk.choices[0].logprobs", choice.get("logprobs"))
             self.ids("generate_chunk.prompt_token_ids", chunk.get("prompt_token_ids"), negatives_checked_by_vllm=True)
         self.prompt_ids(body.get("prompt_token_ids"))
         self.count("prompt_tokens", body.get("prompt_tokens"))
@@ -226,10 +305,12 @@ class _Checker:
                 )
             seen[index] = i
         if n is not None and seen:
-            missing = [index for index in range(n) if index not in seen]
-            if missing:
+            # The first index missing is at most len(seen): found without
+            # walking all of a huge n.
+            missing = next((index for index in range(n) if index not in seen), None)
+            if missing is not None:
                 raise _Found(
-                    f"{path}: no choice with index {missing[0]} ({n_source} is {n}, "
+                    f"{path}: no choice with index {missing} ({n_source} is {n}, "
                     f"{len(seen)} choice{'s' if len(seen) != 1 else ''} given)"
                 )
 
@@ -245,6 +326,9 @@ class _Checker:
 
     def all_good(self, ids: list[Any], *, negatives_checked_by_vllm: bool) -> bool:
         """Whether every id is a good integer, at C speed: the common case."""
+        if len(ids) == 1:  # a stream's usual chunk
+            token_id = ids[0]
+            return type(token_id) is int and token_id < self.vocab_size and (negatives_checked_by_vllm or token_id >= 0)
         if set(map(type, ids)) != {int}:
             return False
         return max(ids) < self.vocab_size and (negatives_checked_by_vllm or min(ids) >= 0)
@@ -258,8 +342,9 @@ class _Checker:
             self.id(f"{path}[{j}]", token_id, negatives_checked_by_vllm=negatives_checked_by_vllm)
 
     def prompt_ids(self, ids: Any) -> None:
-        """A stream call's ``prompt_token_ids``, checked once per distinct
-        list where `passed` remembers the lists that passed."""
+        """A call's ``prompt_token_ids``, checked once per distinct list
+        where `passed` remembers the lists that passed: a stream's every
+        call, and a dataset's samples of one prompt, carry the same."""
         passed = self.passed
         if passed is None or not isinstance(ids, list):
             self.ids("prompt_token_ids", ids, negatives_checked_by_vllm=True)

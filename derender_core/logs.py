@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 VLLM_LOGGER = "vllm"
@@ -61,6 +62,8 @@ class _Collector(logging.Handler):
         super().__init__()
         self._sink = sink
         self._passthrough = passthrough
+        self._verbose = bool(passthrough)
+        """Whether it passes records on: set with `_passthrough` while routing."""
 
     def emit(self, record: logging.LogRecord) -> None:
         self._sink(_log_line(record))
@@ -95,7 +98,7 @@ class _Routed:
     once per record, and the generator's frame and wrappers cost more
     than the routing itself."""
 
-    __slots__ = ("_sink", "_verbose", "_value", "_logger", "_original", "_collector")
+    __slots__ = ("_sink", "_verbose", "_value", "_original", "_collector", "_outer_sink")
 
     def __init__(self, sink: Callable[[LogLine], None], verbose: bool, value: Any = None) -> None:
         self._sink = sink
@@ -103,11 +106,21 @@ class _Routed:
         self._value = value
 
     def __enter__(self) -> Any:
-        logger = self._logger = logging.getLogger(VLLM_LOGGER)
-        original = self._original = logger.handlers[:]
-        # Nested in another collection (a record's, inside its run's), pass on
-        # to vLLM's own handlers, not to the outer collector: a record's lines
-        # are counted once, through its outcome.
+        logger = _vllm_logger()
+        original = self._original = logger.handlers
+        if len(original) == 1:
+            outer = original[0]
+            if type(outer) is _Collector and outer._verbose == self._verbose:
+                # Inside a run's own collection (a record's, the usual case):
+                # its collector passes on to the handlers this one would pass
+                # on to, so only its sink changes for the block.
+                self._collector = None
+                self._outer_sink = outer._sink
+                outer._sink = self._sink
+                return self._value
+        # Nested in another collection, pass on to vLLM's own handlers, not
+        # to the outer collector: a record's lines are counted once, through
+        # its outcome.
         beneath = [
             inner
             for handler in original
@@ -117,14 +130,25 @@ class _Routed:
         # logging.Handler (its lock, its registration) cost more than the rest.
         collector = self._collector = _idle_collectors.pop() if _idle_collectors else _Collector(self._sink, [])
         collector._sink, collector._passthrough = self._sink, beneath if self._verbose else []
+        collector._verbose = self._verbose
         logger.handlers = [collector]
         return self._value
 
     def __exit__(self, *exc: object) -> None:
-        self._logger.handlers = self._original
         collector = self._collector
+        if collector is None:
+            self._original[0]._sink = self._outer_sink
+            return
+        _vllm_logger().handlers = self._original
         collector._sink, collector._passthrough = _drop, []
         _idle_collectors.append(collector)
+
+
+@cache
+def _vllm_logger() -> logging.Logger:
+    """vLLM's root logger: the same object for the process's life, looked
+    up once (``getLogger`` takes the logging module's lock)."""
+    return logging.getLogger(VLLM_LOGGER)
 
 
 _idle_collectors: list[_Collector] = []

@@ -215,7 +215,7 @@ class Derender:
             columns["status"].append(status)
             columns["response"].append((raw if raw is not None else chunk_raw or b"").decode("utf-8"))
             columns["tokens"].append(tokens)
-            columns["facts"].append(None if facts is None else json.dumps(dataclasses.asdict(facts)))
+            columns["facts"].append(None if facts is None else json.dumps(facts._asdict()))
             columns["completed"].append(completed)
             # What the summary shows: a failure's detail, a bug's traceback
             # and vLLM's log lines, counted per kind.

@@ -294,7 +294,9 @@ class WorkerPool:
         """The batch of outcomes `worker` has sent (its pipe is readable)."""
         try:
             message = pickle.loads(self._outboxes[worker].recv_bytes())
-        except EOFError:  # the worker is gone, its pipe closed
+        except (EOFError, OSError):
+            # The worker is gone: its pipe closed, or cut mid-message (a
+            # worker killed while it wrote).
             self._lost(worker)
         if isinstance(message, _Failed):
             raise WorkerLost(f"worker {message.worker} failed:\n{message.traceback}")

@@ -374,18 +374,26 @@ class KnownRequest:
     prompt_token_ids: Any
     request_bytes: bytes | None
     prompt_bytes: bytes | None
+    request_has_null: bool
+    """Whether the request's bytes hold ``null``, which NaN and the
+    infinities are written as too."""
 
     @classmethod
     def of(cls, raw_request: Any, raw_prompt: Any, request: Any, prompt_token_ids: Any) -> KnownRequest:
-        return cls(raw_request, raw_prompt, request, prompt_token_ids, _json_bytes(raw_request), _json_bytes(raw_prompt))
+        request_bytes = _json_bytes(raw_request)
+        return cls(
+            raw_request, raw_prompt, request, prompt_token_ids, request_bytes, _json_bytes(raw_prompt),
+            request_bytes is None or b"null" in request_bytes,
+        )
 
     def same(self, raw_request: Any, raw_prompt: Any) -> bool:
         """Whether a call sends this request and these prompt ids.
 
         Equal bytes are the same JSON, with one exception: orjson writes
-        NaN and the infinities as ``null``, so for the request, which may
-        hold floats, Python's equality must hold too (NaN equals nothing,
-        ``null`` is None). Prompt ids were validated as non-negative
+        NaN and the infinities as ``null``, so for a request whose bytes
+        hold ``null``, Python's equality must hold too (NaN equals nothing,
+        ``null`` is None). Bytes without ``null`` come from no NaN, no
+        infinity and no None. Prompt ids were validated as non-negative
         integers, so their bytes hold digits only (``true`` and ``1.0``
         validate too, and are told apart by their bytes)."""
         request_bytes = self.request_bytes
@@ -394,7 +402,7 @@ class KnownRequest:
             and self.prompt_bytes is not None
             and _json_bytes(raw_prompt) == self.prompt_bytes
             and _json_bytes(raw_request) == request_bytes
-            and raw_request == self.raw_request
+            and (not self.request_has_null or raw_request == self.raw_request)
         )
 
 
