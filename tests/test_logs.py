@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from _pytest.logging import LogCaptureHandler
 
 from derender_core.logs import VLLM_LOGGER, LogKind, collected_vllm_logs, tally_vllm_logs
 
@@ -29,7 +30,10 @@ def vllm_handler() -> Iterator[Kept]:
     kept, before = Kept(), logger.handlers[:]
     logger.handlers = [kept]
     yield kept
-    logger.handlers = before
+    # pytest 9 attaches its capture handlers to non-propagating loggers for
+    # each phase and detaches them from the list it finds then: the setup
+    # phase's are in `before`, and would stay on vLLM's logger for good.
+    logger.handlers = [handler for handler in before if not isinstance(handler, LogCaptureHandler)]
 
 
 def log(message: str) -> None:
@@ -39,6 +43,10 @@ def log(message: str) -> None:
 @pytest.mark.parametrize("verbose", [False, True])
 @pytest.mark.parametrize("in_run", [False, True])
 def test_a_records_lines_reach_its_collection_once(vllm_handler: Kept, verbose: bool, in_run: bool) -> None:
+    # What the logger holds as the test starts: the fixture's handler, and
+    # pytest's own where it attaches to non-propagating loggers (pytest 9).
+    handlers = logging.getLogger(VLLM_LOGGER).handlers[:]
+    assert vllm_handler in handlers
     kinds: list[LogKind] = []
     run = tally_vllm_logs(kinds, lambda: 7, verbose=verbose) if in_run else None
     if run is not None:
@@ -72,4 +80,4 @@ def test_a_records_lines_reach_its_collection_once(vllm_handler: Kept, verbose: 
     else:
         expected = ["before", "other", "after", "outside"]
     assert vllm_handler.messages == expected
-    assert logging.getLogger(VLLM_LOGGER).handlers == [vllm_handler]
+    assert logging.getLogger(VLLM_LOGGER).handlers == handlers
