@@ -13,6 +13,7 @@ Only `created` and the random tool-call id suffix are normalised.
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -256,3 +257,30 @@ def test_an_explicit_null_state_starts_the_stream_afresh_as_on_the_server(qwen3_
     for live in (True, False):
         got = answers(qwen3_stack.engine.in_mode(live=live), endpoint, bodies)
         assert normalize(got) == normalize(expected), f"live={live}"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETION])
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_prompt_after_a_null_one_is_refused_as_on_the_server(
+    qwen3_stack: Stack, endpoint: Endpoint, number: str
+) -> None:
+    """A stream's first call sends ``"prompt_token_ids": null``, the next
+    NaN or an infinity. The live engine remembers a stream's request and
+    prompt by their JSON bytes, and orjson writes all four as ``null``:
+    the later call must still be validated, and refused as the server
+    refuses it (``Input should be a valid list``). Each call brings its
+    own (null) state, so no threading differs between the two sides."""
+    b = qwen3_stack.builder
+    plans = stream_plans(b)[:1] if endpoint is Endpoint.CHAT else completion_stream_plans(b)[:1]
+    first, second = stream_bodies(b, plans)[:2]
+    mark = '"a number JSON has no literal for"'
+    lines = [
+        json.dumps({**first, "prompt_token_ids": None, "stream_state": None}).encode(),
+        json.dumps({**second, "prompt_token_ids": json.loads(mark), "stream_state": None}).replace(mark, number).encode(),
+    ]
+    expected = [qwen3_stack.server.post_raw(endpoint, line) for line in lines]
+    assert expected[1].status_code == 400 and "valid list" in expected[1].text, expected[1].text
+    for live in (True, False):
+        got = jsonl_answers(qwen3_stack.engine.in_mode(live=live), Job(endpoint, stream=True), lines)[0]
+        assert normalize(got) == normalize([response.json() for response in expected]), f"live={live}"

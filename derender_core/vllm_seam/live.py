@@ -377,25 +377,28 @@ class KnownRequest:
     request_has_null: bool
     """Whether the request's bytes hold ``null``, which NaN and the
     infinities are written as too."""
+    prompt_has_null: bool
+    """The same for the prompt ids: a ``null`` prompt's bytes are NaN's."""
 
     @classmethod
     def of(cls, raw_request: Any, raw_prompt: Any, request: Any, prompt_token_ids: Any) -> KnownRequest:
         request_bytes = _json_bytes(raw_request)
+        prompt_bytes = _json_bytes(raw_prompt)
         return cls(
-            raw_request, raw_prompt, request, prompt_token_ids, request_bytes, _json_bytes(raw_prompt),
-            request_bytes is None or b"null" in request_bytes,
+            raw_request, raw_prompt, request, prompt_token_ids, request_bytes, prompt_bytes,
+            _holds_null(request_bytes), _holds_null(prompt_bytes),
         )
 
     def same(self, raw_request: Any, raw_prompt: Any) -> bool:
         """Whether a call sends this request and these prompt ids.
 
         Equal bytes are the same JSON, with one exception: orjson writes
-        NaN and the infinities as ``null``, so for a request whose bytes
-        hold ``null``, Python's equality must hold too (NaN equals nothing,
-        ``null`` is None). Bytes without ``null`` come from no NaN, no
-        infinity and no None. Prompt ids were validated as non-negative
-        integers, so their bytes hold digits only (``true`` and ``1.0``
-        validate too, and are told apart by their bytes)."""
+        NaN and the infinities as ``null``, so for a request or prompt
+        whose bytes hold ``null``, Python's equality must hold too (NaN
+        equals nothing, ``null`` is None): a NaN prompt after a ``null``
+        one is validated anew, and refused as the server refuses it. Bytes
+        without ``null`` come from no NaN, no infinity and no None, and
+        tell ``1``, ``1.0`` and ``true`` apart."""
         request_bytes = self.request_bytes
         return (
             request_bytes is not None
@@ -403,7 +406,14 @@ class KnownRequest:
             and _json_bytes(raw_prompt) == self.prompt_bytes
             and _json_bytes(raw_request) == request_bytes
             and (not self.request_has_null or raw_request == self.raw_request)
+            and (not self.prompt_has_null or raw_prompt == self.raw_prompt)
         )
+
+
+def _holds_null(data: bytes | None) -> bool:
+    """Whether JSON bytes may stand for None, NaN or an infinity (or none
+    were written): bytes alone cannot tell those apart."""
+    return data is None or b"null" in data
 
 
 def _json_bytes(value: Any) -> bytes | None:
