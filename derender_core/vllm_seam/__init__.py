@@ -17,3 +17,5 @@ import os
 # vLLM picks its platform when first imported; this process has no GPU and
 # needs none, so any module of the seam may be the first to import vLLM.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# ... and none of its devices (`stack.environment_with_defaults` says why).
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

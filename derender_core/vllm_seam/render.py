@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ..api import CodeAPI
 from ..config import RenderConfig
@@ -31,6 +31,7 @@ from ..protocol import Answer, Endpoint
 from .answers import json_answer, stream_answer
 from .parsers import SHARING
 from .renderer import RenderHalf
+from . import versions
 from .stack import (
     derender_stack,
     lean_start,
@@ -93,11 +94,18 @@ class DerenderEngine(CodeAPI):
         # pool threads a fork needs no repair either.
         executor = serving.online_derenderer.renderer._executor
         if not hasattr(executor, "_inner"):  # vLLM's _SwappableExecutor
-            raise ConfigError(f"vLLM's renderer executor changed shape: {type(executor).__name__}")
-        executor._inner = _InlineExecutor()
+            if versions.proven("startup"):
+                raise ConfigError(f"vLLM's renderer executor changed shape: {type(executor).__name__}")
+        elif versions.proven("startup"):
+            executor._inner = _InlineExecutor()
         self.startup_seconds = startup_seconds
-        self.live = live
-        self.decode = _checked_decode(decode)
+        self._fast_paths = _fast_paths(serving)
+        """Which fast paths this engine may take: proven on the installed
+        vLLM (`versions`) and built into its stack."""
+        self.live = live and self._fast_paths.live
+        """Live streaming (parser state kept between calls); on a vLLM the
+        live path was not proven on, every call runs the server's replay."""
+        self.decode = self._allowed_decode(decode)
         """"fast": exact batched decode (`fast.TokenTable`) where the
         tokenizer allows; "reference": vLLM's own per-token path."""
         self.vocab_size = _vocab_size(self.tokenizer)
@@ -146,9 +154,14 @@ class DerenderEngine(CodeAPI):
         with lean_start():
             args = server_args(config)
             try:
-                from .live import LiveDerenderer
+                # On a vLLM the fast paths were not proven on, vLLM's own
+                # OnlineDerenderer, as its server builds it (`versions`).
+                derenderer_class = None
+                if versions.proven("decode") and versions.proven("live"):
+                    from .live import LiveDerenderer
 
-                serving = derender_stack(args, LiveDerenderer, single_threaded=True)
+                    derenderer_class = LiveDerenderer
+                serving = derender_stack(args, derenderer_class, single_threaded=True)
             except Exception as exc:
                 # Whatever stops vLLM's stack from starting stops the server
                 # too: a configuration problem, reported without a traceback.
@@ -202,10 +215,16 @@ class DerenderEngine(CodeAPI):
         """This engine in another stream mode or decode mode, sharing the stack."""
         other = copy.copy(self)
         if live is not None:
-            other.live = live
+            other.live = live and self._fast_paths.live
         if decode is not None:
-            other.decode = _checked_decode(decode)
+            other.decode = self._allowed_decode(decode)
         return other
+
+    def _allowed_decode(self, decode: str) -> str:
+        """`decode`, checked, or "reference" where the fast decode may not
+        run (`versions`): the answers stay vLLM's own."""
+        decode = _checked_decode(decode)
+        return decode if self._fast_paths.decode else "reference"
 
     @property
     def decoder_kind(self) -> str:
@@ -213,7 +232,7 @@ class DerenderEngine(CodeAPI):
         ("byte-level", "sentencepiece"), "incremental" for a fast tokenizer
         of another kind (vLLM's steps, batched), or "reference"."""
         derenderer = self._serving.online_derenderer
-        if self.decode == "reference" or derenderer.table is None:
+        if self.decode == "reference" or getattr(derenderer, "table", None) is None:
             return "reference"
         return derenderer.table.kind or "incremental"
 
@@ -311,6 +330,7 @@ class DerenderEngine(CodeAPI):
         fields, one_shot = self._one_shot_bodies[endpoint]
         if (
             self.decode == "fast"
+            and self._fast_paths.requests
             and type(body) is dict
             and body.get("stream", False) is False
             and body.keys() <= fields
@@ -514,7 +534,7 @@ class DerenderEngine(CodeAPI):
             chunk, stream_state = result
             return stream_answer(chunk.model_dump(), stream_state)
 
-        if self.decode == "fast":
+        if self.decode == "fast" and self._fast_paths.responses:
             # vLLM's handlers, writing the dict their models would only be
             # dumped to (`responses.DirectResponses`).
             direct = _direct_responses(self._serving)
@@ -586,6 +606,34 @@ def _dispatch_types() -> tuple[tuple[type, ...], type]:
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     return (DerenderChatStreamRequest, DerenderCompletionStreamRequest), ErrorResponse
+
+
+class _FastPaths(NamedTuple):
+    """The fast paths an engine may take (`versions.PROVEN`)."""
+
+    decode: bool
+    requests: bool
+    responses: bool
+    live: bool
+
+
+def _fast_paths(serving: Any) -> _FastPaths:
+    """The fast paths proven on the installed vLLM, given a stack: the
+    decode and live paths need derender's derenderer in it."""
+    if not versions.proven("decode"):
+        # fast.py imports vLLM's private names, which a release never seen
+        # may have moved: not even imported then.
+        return _FastPaths(decode=False, requests=False, responses=False, live=False)
+    from .fast import FastDerenderer
+
+    ours = isinstance(serving.online_derenderer, FastDerenderer)
+    decode = ours
+    return _FastPaths(
+        decode=decode,
+        requests=decode and versions.proven("requests"),
+        responses=decode and versions.proven("responses"),
+        live=ours and decode and versions.proven("live"),
+    )
 
 
 def _checked_decode(decode: str) -> str:

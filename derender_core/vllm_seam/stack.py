@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config import RenderConfig
 from ..errors import ConfigError
+from . import versions
 
 if TYPE_CHECKING:
     from argparse import Namespace
@@ -60,6 +61,11 @@ def environment_with_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     server compares a call's with its own)."""
     env = dict(environ)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # derender never computes on a device. vLLM 0.34's CPU platform refuses
+    # to build a config on an x86 machine whose Triton sees no driver unless
+    # the visible devices are set (to none), and hiding the GPUs keeps CUDA
+    # out of a process that forks its workers.
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -158,6 +164,8 @@ turned off with ``DERENDER_LEAN_OFF=pool,gc,...`` so that
 
 def _lean(step: str) -> bool:
     off = {name.strip() for name in os.environ.get("DERENDER_LEAN_OFF", "").split(",")}
+    if step != "gc" and not versions.proven("startup"):
+        return False  # patches of vLLM's private start-up: proven releases only
     return step not in off and "all" not in off
 
 

@@ -1,0 +1,102 @@
+"""Which vLLM releases each fast path has been proven on.
+
+A fast path re-does part of vLLM's work (or skips a step of it) and is
+proven equal to vLLM's own code by differential tests on a given release.
+On any other release vLLM's private code may have moved, so derender runs
+vLLM's own code where its HTTP server runs it (the serving handlers, with
+the endpoints' request models): the answers stay exact, only slower.
+
+This module is light: it reads the installed version from the package's
+metadata and imports nothing of vLLM, so the command line can say which
+paths are on before (or without) loading vLLM.
+
+Adding a release: docs/architecture.md#adding-a-vllm-release.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import metadata
+
+PROVEN: dict[str, tuple[str, ...]] = {
+    "decode": ("0.33.0",),
+    "requests": ("0.33.0",),
+    "responses": ("0.33.0",),
+    "live": ("0.33.0",),
+    "serve": ("0.33.0",),
+    "startup": ("0.33.0",),
+}
+"""Each fast path and the vLLM releases its differential tests passed on:
+
+- ``decode``: the batched decode (`fast.FastDerenderer`, `fast.TokenTable`)
+  in place of vLLM's per-token steps, and the parsers' shared lexicon;
+- ``requests``: the usual chat request built as validation builds it
+  (`requests.ChatRequests`) and the one-shot body validated alone;
+- ``responses``: the one-shot handlers writing the dicts vLLM's models
+  would be dumped to (`responses.DirectResponses`);
+- ``live``: live streams (`live.LiveDerenderer`): a stream's parser and
+  request kept between calls, its usual chunks answered by the lane;
+- ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
+  a scripted engine core through private internals (no reference path:
+  refused on other releases);
+- ``startup``: the lean start's patches of vLLM's start-up (no tokenizer
+  thread pool, the model class inspected in process, the leading-space
+  marker cached) and the renderer's work run inline, not on its pool.
+"""
+
+SUPPORTED = (">=0.33", "<0.35")
+"""The releases derender installs with (pyproject.toml's pin)."""
+
+OFF_ENV = "DERENDER_FAST_PATHS"
+"""``off`` runs every path as on a release never seen (vLLM's own code),
+for proving the reference on a known release; anything else, or unset,
+keeps the proven fast paths on."""
+
+
+@functools.cache
+def installed() -> str:
+    """The installed vLLM's version, from its metadata ("" if absent)."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def proven(path: str) -> bool:
+    """Whether fast path `path` runs here: proven on the installed vLLM,
+    and not switched off by ``DERENDER_FAST_PATHS=off``."""
+    if os.environ.get(OFF_ENV, "").strip().lower() == "off":
+        return False
+    return installed() in PROVEN[path]
+
+
+def all_proven() -> bool:
+    """Whether every fast path runs here."""
+    return all(proven(path) for path in PROVEN)
+
+
+def notice() -> str | None:
+    """The one line a run prints when it steps aside to vLLM's own code,
+    or None when every fast path is on."""
+    off = [path for path in PROVEN if not proven(path)]
+    if not off:
+        return None
+    if os.environ.get(OFF_ENV, "").strip().lower() == "off":
+        why = f"{OFF_ENV}=off"
+    else:
+        proven_on = sorted({v for versions in PROVEN.values() for v in versions})
+        why = f"vLLM {installed() or '(not installed)'} is not one they were proven on ({', '.join(proven_on)})"
+    return (
+        f"fast paths off ({', '.join(off)}): {why}; running vLLM's own code, "
+        "exact but slower"
+    )
+
+
+def describe() -> str:
+    """`derender --version`'s lines: vLLM's version and each fast path."""
+    lines = [f"vLLM {installed() or '(not installed)'} (supported: {','.join(SUPPORTED)})"]
+    for path, versions in PROVEN.items():
+        state = "on" if proven(path) else "off"
+        lines.append(f"  fast path {path:<10} {state:<4}(proven on vLLM {', '.join(versions)})")
+    return "\n".join(lines)
