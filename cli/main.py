@@ -402,7 +402,7 @@ def parity(
             f"{result.requests} requests, {len(found.divergences)} divergences, "
             f"{result.not_compared} not compared; paths {', '.join(spec.paths)}"
         )
-        found.subtitle = summary + ("" if stream or recorded else f"; chunking {', '.join(c.name for c in spec.chunkings)}")
+        found.subtitle = summary  # the page says how its streams were cut, from what ran
     if not comparison.quiet:
         console.print(f"derender: parity: {summary}", markup=False)
         if spec.minimizing:
@@ -451,6 +451,10 @@ def diff(
         raise typer.Exit(ExitStatus.USAGE) from None
     if not comparison.quiet:
         console.print(f"derender: diff: {len(found.divergences)} divergences", markup=False)
+    except StreamFailure as exc:  # --report or --html could not be written
+        console.print(f"derender: the run could not finish: {exc}", markup=False)
+        _discard_stdout()
+        raise typer.Exit(exc.exit_status) from None
     raise typer.Exit(ExitStatus.RECORDS_FAILED if found.divergences else ExitStatus.OK)
 
 

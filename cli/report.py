@@ -6,13 +6,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from derender_core import Divergence
-from derender_core.compare import Examination
+from derender_core.compare import Examination, json_text
 from derender_core.html_report import build_page
 from derender_core.minimize import Minimal
 from derender_core.records import open_output
@@ -44,10 +43,12 @@ def write_page(path: str, title: str, findings: Findings) -> None:
 
 
 def write_report(path: str, divergences: list[Divergence]) -> None:
-    """One JSON line per divergence."""
+    """One JSON line per divergence, its values whole. A lone surrogate an
+    answer held is written as its JSON escape (``\\udc80``): the line stays
+    UTF-8, and reads back as the same string."""
     with open_output(path) as target:
         for divergence in divergences:
-            target.write(orjson.dumps(divergence.to_json(), option=orjson.OPT_NON_STR_KEYS) + b"\n")
+            target.write(json_text(divergence.to_json()).encode("utf-8", "backslashreplace") + b"\n")
 
 
 def print_table(console: Console, divergences: list[Divergence]) -> None:
@@ -62,12 +63,12 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
         table.add_column(column, overflow="fold")
     for kind, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         table.add_section()
-        table.add_row(Text(f"{kind} ({len(members)})", style="bold"), "", "", "", "")
+        table.add_row(Text(_cell(f"{kind} ({len(members)})", 2 * VALUE_WIDTH), style="bold"), "", "", "", "")
         for divergence in members:
             left, right = _differing(divergence.left_value, divergence.right_value)
             table.add_row(
-                Text(str(divergence.request_id)),
-                "" if divergence.index is None else str(divergence.index),
+                Text(_cell(str(divergence.request_id))),
+                "" if divergence.index is None else _cell(str(divergence.index)),
                 Text(divergence.chunking or ""),
                 Text(_short(left)),
                 Text(_short(right)),
@@ -92,9 +93,14 @@ def _differing(left: Any, right: Any) -> tuple[Any, Any]:
 
 
 def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else orjson.dumps(value).decode()
-    text = repr(text) if isinstance(value, str) else text
-    return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 1] + "…"
+    return _cell(repr(value) if isinstance(value, str) else json_text(value))
+
+
+def _cell(text: str, width: int = VALUE_WIDTH) -> str:
+    """A cell's text: cut at `width`, a lone surrogate as its escape (the
+    terminal takes UTF-8 only)."""
+    text = text if len(text) <= width else text[: width - 1] + "…"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def print_minimal(console: Console, minimal: Minimal) -> None:

@@ -26,10 +26,13 @@ assembled response hides:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 ABSENT = "<absent>"
 """A field one side leaves out, when null and absent are told apart."""
@@ -65,8 +68,9 @@ class Divergence:
     """One field on which two paths disagree for one request."""
 
     request_id: str | None
-    index: int | None
-    """The choice index; None for request-level fields."""
+    index: Any
+    """The choice index (an integer, or whatever an answer read back holds
+    there); None for request-level fields."""
     left: str
     right: str
     field: str
@@ -161,7 +165,7 @@ def compare(
     right_response = normalized(right.response or {}, normalization)
     left_choices = choices_by_index(left_response.get("choices"))
     right_choices = choices_by_index(right_response.get("choices"))
-    for index in sorted(left_choices.keys() | right_choices.keys()):
+    for index in sorted(left_choices.keys() | right_choices.keys(), key=_index_order):
         left_fields = choice_fields(left_choices.get(index))
         right_fields = choice_fields(right_choices.get(index))
         for name in _ordered(left_fields.keys() | right_fields.keys()):
@@ -189,15 +193,41 @@ def _ordered(names: Iterable[str]) -> list[str]:
     return [n for n in _FIELD_ORDER if n in names] + sorted(names - set(_FIELD_ORDER))
 
 
-def _shape_order(key: tuple[int | None, str]) -> tuple[int, str]:
+def _index_order(index: Any) -> tuple[int, Any]:
+    """Integer indexes in order, then any other (an answer read back may
+    hold one), by its JSON text."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return (0, index)
+    return (1, json_text(index))
+
+
+def _shape_order(key: tuple[Any, str]) -> tuple[tuple[int, Any], str]:
     index, name = key
-    return (-1 if index is None else index, name)
+    return ((-1, 0) if index is None else _index_order(index), name)
 
 
-def choices_by_index(choices: Any) -> dict[int, Mapping[str, Any]]:
+def json_text(value: Any) -> str:
+    """`value` as compact JSON, whatever an answer read back holds: integers
+    past 64 bits and lone surrogates too (orjson takes neither), integer
+    keys as strings."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def choice_key(index: Any, position: int | None) -> Any:
+    """A choice's key: its ``index`` as given (a list or object by its JSON
+    text, so that it can be a key), its position in the list without one."""
+    if isinstance(index, (list, Mapping)):
+        return json_text(index)
+    return position if index is None else index
+
+
+def choices_by_index(choices: Any) -> dict[Any, Mapping[str, Any]]:
     if not isinstance(choices, list):
         return {}
-    return {c.get("index", i): c for i, c in enumerate(choices) if isinstance(c, Mapping)}
+    return {choice_key(c.get("index"), i): c for i, c in enumerate(choices) if isinstance(c, Mapping)}
 
 
 def choice_fields(choice: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -263,7 +293,7 @@ def stream_shape(chunks: list[dict[str, Any]]) -> dict[tuple[int | None, str], A
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, Mapping):
                 continue
-            index = choice.get("index")
+            index = choice_key(choice.get("index"), None)
             delta = choice.get("delta")
             delta = delta if isinstance(delta, Mapping) else {}
             finish = choice.get("finish_reason") is not None

@@ -4,8 +4,11 @@ Pure: no vLLM, no I/O. `build_page` turns the `Examination` of each request
 (what every path answered, the token ids it was given, the divergences)
 into one HTML string: inline CSS, a little JavaScript for the filters and
 for opening the section an anchor points into, and nothing that loads from
-anywhere. Everything is rendered here, escaped once (`_esc`), in time
-linear in what is shown: each request is a collapsed section, each pair of
+anywhere. Everything is rendered here, and every value that comes from an
+answer or a record reaches the page through one function, `_esc`
+(`tests/test_html_report.py` holds the module to that); each is cut
+(`_cut`, `_cut_strings`) so that the page stays linear in what is shown,
+whatever a record holds: each request is a collapsed section, each pair of
 paths in it shows its transcript (streams, aligned call by call) or its
 response fields (one-shot) once, and each divergence is a card with an
 anchor ``#d-<n>`` (``n`` its line in ``--report``) that highlights the
@@ -15,7 +18,6 @@ frames or fields it is about.
 from __future__ import annotations
 
 import html
-import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,14 +25,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-import orjson
-
 from .compare import (
     Divergence,
     Examination,
     Observed,
     choice_fields,
+    choice_key,
     choices_by_index,
+    json_text,
     null_fields,
     stream_shape,
 )
@@ -43,6 +45,12 @@ TEXT_CHARS = 400
 """The text emitted so far shows its last this many characters."""
 TOKENS_SHOWN = 128
 """A chunk's token ids shown at most (a one-shot choice is one chunk)."""
+NAME_CHARS = 200
+"""A request id, field name or key is cut here (ids are repeated on the
+page: in each section, card and filter)."""
+FRAME_CHARS = 4000
+"""A frame's JSON view is cut here, after each string in it is cut at
+`CELL_CHARS`."""
 TEXT_FIELDS = ("reasoning", "content", "text")
 """The fields whose text a client sees emitted, in the order shown."""
 _CUMULATIVE = frozenset({*TEXT_FIELDS, "token_ids", "logprobs", "tool_calls"})
@@ -62,16 +70,28 @@ def _esc(text: str) -> str:
     return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", escaped) if _UNSAFE.search(escaped) else escaped
 
 
-def _json(value: Any) -> str:
-    """`value` as compact JSON (text with lone surrogates too)."""
-    try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-    except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, ensure_ascii=False, default=str)
+_json = json_text
 
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def _name(value: Any) -> str:
+    """A request id, field name or key as shown: text, cut."""
+    return _cut(value if isinstance(value, str) else str(value), NAME_CHARS)
+
+
+def _cut_strings(value: Any, limit: int) -> Any:
+    """`value` with every string in it (keys too) cut at `limit`: a frame's
+    JSON view then stays small whatever a record's ids or texts hold."""
+    if isinstance(value, str):
+        return _cut(value, limit)
+    if isinstance(value, Mapping):
+        return {_cut(k, limit) if isinstance(k, str) else k: _cut_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cut_strings(item, limit) for item in value]
+    return value
 
 
 def _tail(text: str, limit: int) -> str:
@@ -98,7 +118,7 @@ class _Frame:
         for choice in frame.chunk.get("choices") or []:
             if not isinstance(choice, Mapping):
                 continue
-            index = choice.get("index")
+            index = choice_key(choice.get("index"), None)
             for key, value in choice.items():
                 if key == "delta" and isinstance(value, Mapping):
                     for name, item in value.items():
@@ -179,7 +199,22 @@ def _marked_rows(transcript: _Transcript, divergence: Divergence) -> tuple[list[
         row = _first_split([[f.emitted(index, name) for f in frames] for frames in sides[0]],
                            [[f.emitted(index, name) for f in frames] for frames in sides[1]])  # fmt: skip
         rows = [] if row is None else [row]
-    elif name in _SHAPE or name == "null_fields":
+    elif name == "null_fields":
+        # A side's surplus nulls are usually in every frame: the divergence
+        # is shown where each field first comes as null, on each side.
+        firsts: tuple[set[int], set[int]] = (set(), set())
+        for s in (0, 1):
+            pending = set(surplus[s])
+            for frame in (f for frames in sides[s] for f in frames):
+                if frame.nulls & pending:
+                    firsts[s].add(frame.number)
+                    pending -= frame.nulls
+        rows = [
+            k for k, pair in enumerate(transcript.rows)
+            if any(f.number in firsts[s] for s in (0, 1) for f in pair[s])
+        ]  # fmt: skip
+        return rows, [firsts[0], firsts[1]]
+    elif name in _SHAPE:
         rows = [
             k for k, pair in enumerate(transcript.rows)
             if any(f.carries(index, name, surplus[s]) for s in (0, 1) for f in pair[s])
@@ -271,14 +306,14 @@ class _Page:
     # -- a request --
 
     def request(self, number: int, examination: Examination, numbered: list[_Numbered], *, open_: bool) -> None:
-        request_id = "—" if examination.request_id is None else str(examination.request_id)
-        pairs = Counter(f"{n.divergence.left} vs {n.divergence.right}" for n in numbered)
+        request_id = "—" if examination.request_id is None else _name(examination.request_id)
+        pairs = Counter((n.divergence.left, n.divergence.right) for n in numbered)
         self.w(
             f'<details class="request" id="r-{number}" data-request="{_esc(request_id)}"{" open" if open_ else ""}>',
             f'<summary><span class="rid">{_esc(request_id)}</span> ',
             f'<span class="count">{len(numbered)} divergence{"" if len(numbered) == 1 else "s"}</span> ',
             '<span class="kinds">',
-            *(f'<span class="chip">{_esc(pair)} <b>{count}</b></span>' for pair, count in pairs.items()),
+            *(f'<span class="chip">{_esc(f"{left} vs {right}")} <b>{count}</b></span>' for (left, right), count in pairs.items()),
             "</span></summary>",
         )
         groups: dict[tuple[str, str, str | None], list[_Numbered]] = {}
@@ -291,8 +326,7 @@ class _Page:
 
     def group(self, examination: Examination, left: str, right: str, chunking: str | None, members: list[_Numbered]) -> None:
         left_seen, right_seen = examination.side(left, chunking), examination.side(right, chunking)
-        title = f"{left} vs {right}" + ("" if chunking is None else f" · chunking {chunking}")
-        self.w(f'<section class="pair"><h3>{_esc(title)}</h3>')
+        self.w(f'<section class="pair"><h3>{_esc(f"{left} vs {right}" + ("" if chunking is None else f" · chunking {chunking}"))}</h3>')
         body: list[str] = []
         marks: dict[int, tuple[list[str], str]] = {}
         if left_seen is not None and right_seen is not None and left_seen.error is None and right_seen.error is None:
@@ -309,12 +343,11 @@ class _Page:
 
     def card(self, item: _Numbered, mark: tuple[list[str], str] | None) -> None:
         d = item.divergence
-        where = "request" if d.index is None else f"choice {d.index}"
         self.w(
-            f'<div class="div" id="d-{item.number}" data-kind="{_esc(d.kind)}" data-left="{_esc(d.left)}" ',
-            f'data-right="{_esc(d.right)}" data-field="{_esc(d.field)}" data-request="{_esc(str(d.request_id))}">',
+            f'<div class="div" id="d-{item.number}" data-kind="{_esc(_kind(d))}" data-left="{_esc(d.left)}" ',
+            f'data-right="{_esc(d.right)}" data-field="{_esc(_name(d.field))}" data-request="{_esc(_name(d.request_id))}">',
             f'<div class="dhead"><a class="num" href="#d-{item.number}">#{item.number}</a> ',
-            f'<b>{_esc(d.field)}</b> <span class="where">{_esc(where)}</span>',
+            f'<b>{_esc(_name(d.field))}</b> <span class="where">{_esc("request" if d.index is None else f"choice {_name(d.index)}")}</span>',
             "" if d.chunking is None else f' <span class="where">chunking {_esc(d.chunking)}</span>',
         )
         if mark is not None:
@@ -411,7 +444,7 @@ class _Page:
         for key, items in by_key.items():
             for item in items:
                 if key in row_ids:
-                    marks[item.number] = ([f'<a href="#{row_ids[key]}">{_esc(key[1])}</a>'], "field")
+                    marks[item.number] = ([f'<a href="#{row_ids[key]}">{_esc(_name(key[1]))}</a>'], "field")
                 context = self.one_shot_context(examination, item.divergence, left_fields, right_fields)
                 if context is not None:
                     self.context[item.number] = context
@@ -425,7 +458,7 @@ class _Page:
             cls = ' class="hl"' if key in by_key else ' class="same"' if key in same else ""
             index, name = key
             out.append(
-                f'<tr id="{row_ids[key]}"{cls}><td class="n">{"" if index is None else index}</td><td>{_esc(name)}</td>'
+                f'<tr id="{row_ids[key]}"{cls}><td class="n">{_esc("" if index is None else _name(index))}</td><td>{_esc(_name(name))}</td>'
                 f'<td><pre class="cell">{_esc(_cut(_json(left_fields.get(key)), CELL_CHARS)) if key in left_fields else "<i>absent</i>"}</pre></td>'
                 f'<td><pre class="cell">{_esc(_cut(_json(right_fields.get(key)), CELL_CHARS)) if key in right_fields else "<i>absent</i>"}</pre></td></tr>'
             )
@@ -454,7 +487,7 @@ class _Page:
             if only is not None and index != only:
                 continue
             shown = tokens[:TOKENS_SHOWN]
-            parts.append(f'<div class="toks"><span class="ci">[{index}]</span>')
+            parts.append(f'<div class="toks"><span class="ci">{_esc(f"[{_name(index)}]")}</span>')
             parts += [self.token(t) for t in shown]
             if not tokens:
                 parts.append('<span class="none">no tokens</span>')
@@ -487,13 +520,15 @@ class _EmittedText:
         parts = []
         for (i, name), (full, ends) in self.full.items():
             if index is None or i == index:
-                label = name if index is not None else f"[{i}] {name}"
-                parts.append(_text_html(label, full[: ends[row]]))
+                parts.append(_text_html(name, full[: ends[row]], None if index is not None else i))
         return "".join(parts) or '<span class="none">nothing yet</span>'
 
 
-def _text_html(label: str, text: str) -> str:
-    return f'<div class="txt"><span class="fk">{_esc(label)}</span> <code>{_esc(_json(_tail(text, TEXT_CHARS)))}</code></div>'
+def _text_html(label: str, text: str, index: Any = None) -> str:
+    """One field's text, its last `TEXT_CHARS` characters, labelled by the
+    field (and the choice, when `index` is given)."""
+    shown = label if index is None else f"[{_name(index)}] {label}"
+    return f'<div class="txt"><span class="fk">{_esc(shown)}</span> <code>{_esc(_json(_tail(text, TEXT_CHARS)))}</code></div>'
 
 
 def _frame_html(frame: _Frame, marked: bool) -> str:
@@ -511,16 +546,17 @@ def _frame_html(frame: _Frame, marked: bool) -> str:
             if key == "logprobs" and isinstance(value, Mapping) and isinstance(value.get("content"), list):
                 items.append(f'<span class="fk">logprobs</span> {len(value["content"])}')
             else:
-                items.append(f'<span class="fk">{_esc(key)}</span> {_esc(_cut(_json(value), CELL_CHARS))}')
-        parts.append(f'<div class="ch"><span class="ci">[{_esc(str(choice.get("index")))}]</span> {" · ".join(items) or "<i>empty</i>"}</div>')
+                items.append(f'<span class="fk">{_esc(_name(key))}</span> {_esc(_cut(_json(value), CELL_CHARS))}')
+        index = _name(_json(choice.get("index")))
+        parts.append(f'<div class="ch"><span class="ci">{_esc(f"[{index}]")}</span> {" · ".join(items) or "<i>empty</i>"}</div>')
     extra = [
-        f'<span class="fk">{_esc(key)}</span> {_esc(_cut(_json(value), CELL_CHARS))}'
+        f'<span class="fk">{_esc(_name(key))}</span> {_esc(_cut(_json(value), CELL_CHARS))}'
         for key, value in frame.chunk.items()
         if key not in ("choices", *_HIDDEN_FRAME_KEYS, "object", "model") and value is not None
     ]
     if extra:
         parts.append(f'<div class="ch env">{" · ".join(extra)}</div>')
-    parts.append(f'<pre class="json">{_esc(_json(frame.chunk))}</pre></div>')
+    parts.append(f'<pre class="json">{_esc(_cut(_json(_cut_strings(frame.chunk, CELL_CHARS)), FRAME_CHARS))}</pre></div>')
     return "".join(parts)
 
 
@@ -565,13 +601,15 @@ def build_page(
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head>",
         f'<body data-total="{count}"><header><h1>{_esc(title)}</h1>',
-        f'<div class="sub">{_esc(subtitle)}</div></header>' if subtitle else "</header>",
+        f'<div class="sub">{_esc(subtitle)}</div>' if subtitle else "",
+        *(f'<div class="sub">{_esc(line)}</div>' for line in _chunkings(examinations)),
+        "</header>",
     )
     _summary(page, every, sum(1 for items in numbered if items), len(examinations))
     skipped = list(skipped)
     if skipped:
         page.w(f'<details class="skipped"><summary>{len(skipped)} request(s) not compared</summary><ul>')
-        page.w(*(f"<li><b>{_esc(r)}</b>: {_esc(why)}</li>" for r, why in skipped))
+        page.w(*(f"<li><b>{_esc(_name(r))}</b>: {_esc(_cut(why, CELL_CHARS))}</li>" for r, why in skipped))
         page.w("</ul></details>")
     page.w('<main id="requests">')
     first = True
@@ -583,11 +621,25 @@ def build_page(
     return "".join(page.out)
 
 
+def _chunkings(examinations: Sequence[Examination]) -> list[str]:
+    """How the streams compared were cut, from the examinations: a
+    stream input runs with its own chunking, a one-shot body cut by each
+    ``--chunking`` spec."""
+    found = dict.fromkeys(chunking for examination in examinations for chunking in examination.calls)
+    names = ["the input's own" if chunking is None else chunking for chunking in found]
+    return [f"stream chunking: {', '.join(names)}"] if names else []
+
+
+def _kind(d: Divergence) -> str:
+    """A divergence's kind as the page groups and filters it (its field cut)."""
+    return f"{d.left} vs {d.right}: {_name(d.field)}"
+
+
 def _summary(page: _Page, every: list[_Numbered], with_divergences: int, requests: int) -> None:
     kinds: dict[tuple[str, str, str], list[_Numbered]] = {}
     for item in every:
         d = item.divergence
-        kinds.setdefault((d.left, d.right, d.field), []).append(item)
+        kinds.setdefault((d.left, d.right, _name(d.field)), []).append(item)
     paths = list(dict.fromkeys(p for d in (n.divergence for n in every) for p in (d.left, d.right)))
     page.w(
         f'<section class="summary"><p><b>{len(every)}</b> divergence{"" if len(every) == 1 else "s"} in ',
@@ -610,8 +662,8 @@ def _summary(page: _Page, every: list[_Numbered], with_divergences: int, request
             f"<tr><td>{_esc(left)} vs {_esc(right)}</td><td class=\"n\">{sum(len(m) for m in groups)}</td>",
             f'<td class="n">{requests_hit}</td><td>',
             *(
-                f'<a class="kchip" href="#d-{m[0].number}" data-kind="{_esc(m[0].divergence.kind)}">'
-                f"{_esc(m[0].divergence.field)} <b>{len(m)}</b></a>"
+                f'<a class="kchip" href="#d-{m[0].number}" data-kind="{_esc(_kind(m[0].divergence))}">'
+                f"{_esc(_name(m[0].divergence.field))} <b>{len(m)}</b></a>"
                 for m in groups
             ),
             "</td></tr>",
@@ -619,7 +671,7 @@ def _summary(page: _Page, every: list[_Numbered], with_divergences: int, request
     page.w("</tbody></table>")
     page.w(
         '<form class="filters" onsubmit="return false"><label>kind <select id="f-kind"><option value="">all</option>',
-        *(f'<option value="{_esc(m[0].divergence.kind)}">{_esc(m[0].divergence.kind)} ({len(m)})</option>' for m in kinds.values()),
+        *(f'<option value="{_esc(_kind(m[0].divergence))}">{_esc(_kind(m[0].divergence))} ({len(m)})</option>' for m in kinds.values()),
         '</select></label> <label>path <select id="f-path"><option value="">all</option>',
         *(f'<option value="{_esc(p)}">{_esc(p)}</option>' for p in paths),
         '</select></label> <label>request <input id="f-request" type="search" placeholder="id contains"></label> ',
@@ -703,7 +755,7 @@ if(!$('f-kind')){document.body.setAttribute('data-ready','0');return}
 var cards=Array.prototype.slice.call(document.querySelectorAll('.div'));
 var total=cards.length;
 function openTo(el){for(var p=el;p;p=p.parentElement){if(p.tagName==='DETAILS')p.open=true}}
-function go(){var h=decodeURIComponent(location.hash.slice(1));if(!h)return;var el=$(h);if(el){openTo(el);el.scrollIntoView({block:'center'})}}
+function go(){var h=location.hash.slice(1);try{h=decodeURIComponent(h)}catch(e){}if(!h)return;var el=$(h);if(el){openTo(el);el.scrollIntoView({block:'center'})}}
 function apply(){
  var kind=$('f-kind').value,path=$('f-path').value,req=$('f-request').value.trim(),shown=0;
  for(var i=0;i<cards.length;i++){var c=cards[i],d=c.dataset;

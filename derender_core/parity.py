@@ -504,7 +504,10 @@ class Parity:
                 return Observed(error=error_text(answer.body))
             assembly.take(answer)
             chunks += answer.chunks
-            calls.append(len(answer.chunks))
+            # Each frame counts with the call it answers, which serve's may precede.
+            calls.append(0)
+            for late in getattr(answer, "late", None) or [0] * len(answer.chunks):
+                calls[max(len(calls) - 1 - late, 0)] += 1
         if assembly.error is not None:
             return Observed(error=error_text(orjson.loads(assembly.error)))
         # As a client assembles it, the same way recorded streams are read.

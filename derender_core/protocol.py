@@ -219,9 +219,13 @@ class FramesAnswer(Answer):
     stream itself.
     """
 
-    def __init__(self, frames: list[bytes]) -> None:
+    def __init__(self, frames: list[bytes], late: list[int] | None = None) -> None:
         self.status = 200
         self.frames = frames
+        self.late = late
+        """Per frame, how many calls before this one came the call it
+        answers (serve answers a chunk once the next one says whether it
+        finishes); None: each answers this call."""
 
     @property
     def is_stream_answer(self) -> bool:
@@ -253,7 +257,7 @@ class FramesAnswer(Answer):
         return b'{"chunks":[' + b",".join(self.payloads) + b"]}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (FramesAnswer, (self.frames,))
+        return (FramesAnswer, (self.frames, self.late))
 
 
 def render_json(content: Any) -> bytes:

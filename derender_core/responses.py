@@ -8,6 +8,11 @@ a directory of ``<request_id>.sse``), and this tool's own stream output
 flavour). Each becomes an `Item`: a response, or a stream's chunks, or an
 error. Chunks are grouped into streams by their ``id``, in the order
 streams first appear.
+
+A one-shot response is compared whatever its values (a choice ``index``
+that is not an integer is a choice of its own). A stream frame must be one a
+client can assemble (`frame_problem`); one that is not ends the read with
+an `InputError` naming its file and line.
 """
 
 from __future__ import annotations
@@ -71,16 +76,18 @@ class Item:
         return Endpoint.CHAT if str(sample.get("object", "")).startswith("chat.") else Endpoint.COMPLETION
 
     def observed(self) -> Observed:
-        """As compared: a stream also as the response it assembles to."""
+        """As compared: a stream also as the response it assembles to (an
+        error event in it makes it that error, as a client reads it)."""
         if self.error is not None:
             return Observed(error=self.error)
         if self.chunks is None:
             return Observed(response=self.response)
+        failed = next((chunk for chunk in self.chunks if "error" in chunk), None)
+        if failed is not None:
+            return Observed(error=error_text(failed))
         assembly = Assembly(self.endpoint)
         for chunk in self.chunks:
             assembly.take_chunk(chunk)
-        if assembly.error is not None:
-            return Observed(error=error_text(orjson.loads(assembly.error)))
         return Observed(response=assembly.fields(self.key), chunks=self.chunks)
 
 
@@ -122,13 +129,19 @@ def _items_of(path: str) -> Iterator[Item]:
             if problem is not None:
                 raise InputError(f"{path}:{line_number}: not JSON ({problem.message})")
             for chunk in _stream_chunks(payload, sse):
-                # An error event has no id: it ends the stream it interrupts.
-                key = str(chunk.get("id", "")) if "error" not in chunk else last_key or f"error@{line_number}"
-                last_key = key
-                if key not in streams:
-                    streams[key] = Item(key, chunks=[], line=line_number)
-                    order.append(streams[key])
-                streams[key].chunks.append(chunk)  # type: ignore[union-attr]
+                malformed = frame_problem(chunk)
+                if malformed is None:
+                    # An error event has no id: it ends the stream it interrupts.
+                    key = str(chunk.get("id", "")) if "error" not in chunk else last_key or f"error@{line_number}"
+                    last_key = key
+                    if key not in streams:
+                        streams[key] = Item(key, chunks=[], line=line_number)
+                        order.append(streams[key])
+                    stream = streams[key]
+                    malformed = _logprobs_kind_problem(chunk, stream.endpoint if stream.chunks else None)
+                if malformed is not None:
+                    raise InputError(f"{path}:{line_number}: not a stream frame a client can read: {malformed}")
+                stream.chunks.append(chunk)  # type: ignore[union-attr]
             if not sse and not _is_stream_answer(payload):
                 item = Item(str(payload.get("id", f"line {line_number}")) if isinstance(payload, Mapping)
                             else f"line {line_number}", line=line_number)  # fmt: skip
@@ -146,18 +159,127 @@ def _is_stream_answer(payload: Any) -> bool:
     return isinstance(payload, Mapping) and ("chunks" in payload or ("chunk" in payload and "stream_state" in payload))
 
 
-def _stream_chunks(payload: Any, sse: bool) -> list[dict[str, Any]]:
+def _stream_chunks(payload: Any, sse: bool) -> list[Any]:
     """The stream chunks a record holds: an SSE event is one; this tool's
-    stream answers hold one (derender) or several (serve)."""
+    stream answers hold one (derender) or several (serve). Objects are
+    copied; anything else is kept for `frame_problem` to name."""
+    if sse:
+        return [dict(payload) if isinstance(payload, Mapping) else payload]
     if not isinstance(payload, Mapping):
         return []
-    if sse:
-        return [dict(payload)]
-    if "chunks" in payload and isinstance(payload["chunks"], list):
-        return [dict(c) for c in payload["chunks"] if isinstance(c, Mapping)]
-    if "chunk" in payload and "stream_state" in payload and isinstance(payload["chunk"], Mapping):
-        return [dict(payload["chunk"])]
+    if "chunks" in payload:
+        chunks = payload["chunks"]
+        return [dict(c) if isinstance(c, Mapping) else c for c in chunks] if isinstance(chunks, list) else [chunks]
+    if "chunk" in payload and "stream_state" in payload:
+        chunk = payload["chunk"]
+        return [dict(chunk) if isinstance(chunk, Mapping) else chunk]
     return []
+
+
+_TEXT_KEYS = ("role", "content", "reasoning")
+_LOGPROB_LISTS = ("content", "text_offset", "token_logprobs", "tokens", "top_logprobs")
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, for a message (its text cut short)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r:.40})" if isinstance(value, float) else "an integer"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, Mapping) else type(value).__name__
+
+
+def frame_problem(chunk: Any) -> str | None:
+    """What keeps a client from assembling this stream frame, or None.
+
+    The frame's reader (`writers.Assembly`, as a client does) joins text,
+    tool-call pieces, logprobs and token ids per choice ``index``; each of
+    those must have the type a server writes, or be null. An error event
+    (``{"error": ...}``) is read as the error it is.
+    """
+    if not isinstance(chunk, Mapping):
+        return f"the frame is {_kind(chunk)}, not an object"
+    if "error" in chunk:
+        return None
+    choices = chunk.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        return f"choices is {_kind(choices)}, not a list"
+    for number, choice in enumerate(choices or []):
+        where = f"choices[{number}]"
+        if not isinstance(choice, Mapping):
+            return f"{where} is {_kind(choice)}, not an object"
+        if "index" not in choice:
+            return f"{where} has no index"
+        index = choice["index"]
+        if not isinstance(index, int) or isinstance(index, bool):
+            return f"{where}.index is {_kind(index)}, not an integer"
+        delta = choice.get("delta")
+        if delta is not None and not isinstance(delta, Mapping):
+            return f"{where}.delta is {_kind(delta)}, not an object"
+        delta = delta or {}
+        texts = [(f"{where}.delta.{key}", delta.get(key)) for key in _TEXT_KEYS] + [(f"{where}.text", choice.get("text"))]
+        for name, value in texts:
+            if value is not None and not isinstance(value, str):
+                return f"{name} is {_kind(value)}, not a string"
+        problem = _tool_calls_problem(f"{where}.delta.tool_calls", delta.get("tool_calls"))
+        problem = problem or _logprobs_problem(f"{where}.logprobs", choice.get("logprobs"))
+        if problem is not None:
+            return problem
+        token_ids = choice.get("token_ids")
+        if token_ids is not None and not isinstance(token_ids, list):
+            return f"{where}.token_ids is {_kind(token_ids)}, not a list"
+    return None
+
+
+def _logprobs_kind_problem(chunk: Mapping[str, Any], endpoint: Endpoint | None) -> str | None:
+    """A chat stream's logprobs are joined by their ``content`` list, so
+    each frame's logprobs must hold one (`endpoint`: the stream's, from its
+    first frame; None for the first frame itself)."""
+    chat = Item("", chunks=[chunk]).endpoint if endpoint is None else endpoint
+    if chat is not Endpoint.CHAT or "error" in chunk:
+        return None
+    for number, choice in enumerate(chunk.get("choices") or []):
+        logprobs = choice.get("logprobs")
+        if logprobs is not None and "content" not in logprobs:
+            return f"choices[{number}].logprobs has no content list (a chat stream's logprobs)"
+    return None
+
+
+def _tool_calls_problem(where: str, calls: Any) -> str | None:
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return f"{where} is {_kind(calls)}, not a list"
+    for number, call in enumerate(calls):
+        name = f"{where}[{number}]"
+        if not isinstance(call, Mapping):
+            return f"{name} is {_kind(call)}, not an object"
+        if not isinstance(call.get("index"), int) or isinstance(call.get("index"), bool):
+            return f"{name}.index is {_kind(call.get('index'))}, not an integer"
+        function = call.get("function")
+        if function is not None and not isinstance(function, Mapping):
+            return f"{name}.function is {_kind(function)}, not an object"
+        for key in ("name", "arguments"):
+            value = (function or {}).get(key)
+            if value is not None and not isinstance(value, str):
+                return f"{name}.function.{key} is {_kind(value)}, not a string"
+    return None
+
+
+def _logprobs_problem(where: str, logprobs: Any) -> str | None:
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, Mapping):
+        return f"{where} is {_kind(logprobs)}, not an object"
+    for key in _LOGPROB_LISTS:
+        value = logprobs.get(key)
+        if value is not None and not isinstance(value, list):
+            return f"{where}.{key} is {_kind(value)}, not a list"
+    return None
 
 
 def diff_items(

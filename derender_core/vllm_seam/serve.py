@@ -145,6 +145,8 @@ class _Piece:
     """Generate logprob entries, one per token (integer token ids)."""
     finish: str | None = None
     stop_reason: int | str | None = None
+    call: int = 0
+    """The call of its stream that brought it (its frames answer that call)."""
 
 
 def _at(finish: str | None, stop_reason: int | str | None, tokens: int) -> str:
@@ -446,6 +448,10 @@ class _ServeRun:
     """A stream's chunks not yet stepped, in arrival order."""
     disagreed: set[int] = field(default_factory=set)
     """Choices whose record and vLLM's stop logic have disagreed."""
+    calls: int = 0
+    """A stream's calls so far."""
+    frame_calls: list[int] = field(default_factory=list)
+    """The call each of `frames` answers, for those stepped so far."""
 
     @property
     def ended(self) -> bool:
@@ -477,6 +483,13 @@ class _ServeRun:
     def take_frames(self) -> list[bytes]:
         frames, self.frames = self.frames, []
         return frames
+
+    def take_late_frames(self) -> FramesAnswer:
+        """The frames not yet answered, each with how late it comes: a
+        frame of a step answers its piece's call, any other this one."""
+        owners = self.frame_calls + [self.calls] * (len(self.frames) - len(self.frame_calls))
+        self.frame_calls = []
+        return FramesAnswer(self.take_frames(), [self.calls - call for call in owners])
 
     async def pump(self, generator: AsyncIterator[str]) -> None:
         """Read serve's SSE stream as a client does."""
@@ -685,6 +698,7 @@ class ServeEngine(DerenderEngine):
                 return opened
             run = opened
         self._runs.move_to_end(request_id)
+        run.calls += 1
         if choice is not None and not run.ended:
             if choice.index >= len(run.children):
                 return self.bad_request(
@@ -696,11 +710,13 @@ class ServeEngine(DerenderEngine):
                 return self.bad_request(problem)
             content = choice.logprobs.content if choice.logprobs is not None else None
             run.queue_chunk(
-                _Piece(choice.index, tokens, content, choice.finish_reason, choice.stop_reason)
+                _Piece(choice.index, tokens, content, choice.finish_reason, choice.stop_reason, run.calls)
             )
             while run.queue and run.queue[0].decided:
-                await self._step(run, [run.queue.pop(0).piece])
-        answer = FramesAnswer(run.take_frames())
+                piece = run.queue.pop(0).piece
+                await self._step(run, [piece])
+                run.frame_calls += [piece.call] * (len(run.frames) - len(run.frame_calls))
+        answer = run.take_late_frames()
         if run.ended:
             self._core.release(run.children)
             run.children, run.queue = [], []
