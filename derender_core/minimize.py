@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 import time
@@ -55,7 +56,7 @@ from typing import Any, TypeVar
 import orjson
 
 from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization, Observed
-from .logs import collected_vllm_logs
+from .logs import SERVE_LOGGER, collected_vllm_logs, quieted
 from .parity import (
     DERENDER_MODES,
     PATHS,
@@ -78,22 +79,8 @@ _DROPPED_TOGETHER = (("tools", "tool_choice"), ("logprobs", "top_logprobs"))
 _SERVE_PATHS = frozenset({"serve", "serve-oneshot"})
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 
-SERVE_LOGGER = "derender.serve"
-"""The serve path's logger, which reports stop-logic findings."""
-
 T = TypeVar("T")
 
-
-@contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """The logger `name` says nothing below errors, for the while."""
-    chosen = logging.getLogger(name)
-    level = chosen.level
-    chosen.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        chosen.setLevel(level)
 
 
 class _Exhausted(Exception):
@@ -367,7 +354,7 @@ class Size:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
         return cls(
-            output, len(records), 0 if request is None else len(orjson.dumps(request)),
+            output, len(records), 0 if request is None else len(_json_bytes(request)),
             len(prompt) if isinstance(prompt, list) else 0,
         )  # fmt: skip
 
@@ -415,15 +402,19 @@ class Minimal:
         return self.divergence.kind
 
 
+def _json_bytes(value: Any) -> bytes:
+    """`value` as compact JSON bytes; a string orjson refuses (a lone
+    surrogate, which a record's JSON may hold) as an escape."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":")).encode("ascii")
+
+
 def minimal_id(request_id: str, divergence: Divergence) -> str:
     """The minimal record's request id: the original's, then ``~`` and the
     kind (``stream-n2~replay-serve-role_frame``)."""
     return f"{request_id}~{divergence.left}-{divergence.right}-{divergence.field}"
-
-
-def safe_name(text: str) -> str:
-    """`text` as a file name: letters, digits, ``._-~`` kept, the rest ``_``."""
-    return re.sub(r"[^A-Za-z0-9._~-]", "_", text).strip(".") or "record"
 
 
 _ENUMERATED = frozenset({"role_frame", "finish_frame", "finish_reason", "object"})
@@ -522,7 +513,7 @@ class Minimizer:
         # The search's candidates make vLLM's parsers log (a cut tool call)
         # and the serve path log stop-logic findings, many times over: the
         # oracle weighs what matters, the logs are dropped.
-        with _quiet(SERVE_LOGGER), collected_vllm_logs(verbose=False):
+        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False):
             return self._search(request, divergence, case, oracle, search, given, before, started, paths)
 
     def _search(
@@ -602,7 +593,7 @@ class _Oracle:
 
     def __call__(self, case: Case) -> bool:
         records = case.records(self.request_id)
-        key = orjson.dumps(records)
+        key = _json_bytes(records)
         if key in self._seen:
             return self._seen[key]
         if self.runs >= self.steps:
