@@ -50,7 +50,7 @@ from .options import (
     job_fields,
     render_config,
 )
-from .progress import ProgressDisplay, print_outcome
+from .progress import ProgressDisplay, print_log_kinds, print_outcome
 from .report import Findings, print_minimal, print_minimized, print_table, write_page, write_report
 
 app = typer.Typer(
@@ -405,6 +405,7 @@ def parity(
         found.subtitle = summary  # the page says how its streams were cut, from what ran
     if not comparison.quiet:
         console.print(f"derender: parity: {summary}", markup=False)
+        print_log_kinds(console, [(kind, f"request {first!r}") for kind, first in result.logs], "while the paths ran")
         if spec.minimizing:
             print_minimized(console, result.minimized, spec.minimize, spec.repro)
     return ExitStatus.RECORDS_FAILED if found.divergences or result.not_compared else ExitStatus.OK

@@ -22,6 +22,7 @@ from rich.progress import (
 from derender_core import Report
 from derender_core.datasets import Input
 from derender_core.jobs import Summary
+from derender_core.logs import LogKind
 from derender_core.prompts import PROMPT_MISSING
 
 FAILURES_SHOWN = 5
@@ -183,26 +184,28 @@ def print_summary(console: Console, summary: Summary, *, verbose: bool = False) 
 
 def _print_logs(console: Console, summary: Summary, verbose: bool) -> None:
     """vLLM's log messages, counted per kind over all inputs."""
-    kinds = [kind for _, report in summary.reports for kind in report.logs if kind.key != PROMPT_MISSING.key]
+    where = len(summary.reports) > 1
+    print_log_kinds(
+        console,
+        [
+            (kind, f"record {kind.first_record}{f' of {path}' if where else ''}")
+            for path, report in summary.reports
+            for kind in report.logs
+            if kind.key != PROMPT_MISSING.key
+        ],
+        "while derendering" + ("" if verbose else " (full text with --verbose)"),
+    )
+
+
+def print_log_kinds(console: Console, kinds: list[tuple[LogKind, str]], during: str) -> None:
+    """vLLM's log messages, one line per kind, most frequent first: each
+    kind with where it was first logged."""
     if not kinds:
         return
-    count = sum(kind.count for kind in kinds)
-    console.print(
-        f"derender: vLLM logged {count:,} message{'s' if count != 1 else ''} while derendering"
-        + ("" if verbose else " (full text with --verbose)")
-        + ":",
-        markup=False,
-    )
-    where = len(summary.reports) > 1
-    for (path, _report), kind in sorted(
-        ((entry, kind) for entry in summary.reports for kind in entry[1].logs if kind.key != PROMPT_MISSING.key),
-        key=lambda item: -item[1].count,
-    ):
-        console.print(
-            f"  {kind.count:,} x {kind.level} {kind.logger}: {kind.example} "
-            f"(first at record {kind.first_record}{f' of {path}' if where else ''})",
-            markup=False,
-        )
+    count = sum(kind.count for kind, _ in kinds)
+    console.print(f"derender: vLLM logged {count:,} message{'s' if count != 1 else ''} {during}:", markup=False)
+    for kind, first in sorted(kinds, key=lambda item: -item[0].count):
+        console.print(f"  {kind.count:,} x {kind.level} {kind.logger}: {kind.example} (first at {first})", markup=False)
 
 
 def _first_line(message: str, limit: int = 200) -> str:

@@ -42,6 +42,7 @@ from .datasets import (
 )
 from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
+from .logs import LogKind
 from .minimize import DEFAULT_STEPS, Minimal, Minimizer
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
@@ -633,6 +634,9 @@ class ParityResult:
     """With `ParitySpec.examine`: each token id's piece in the tokenizer's vocabulary."""
     minimized: list[Minimal] = field(default_factory=list)
     """With `ParitySpec.minimize` or `repro`: each request's smallest record per divergence kind."""
+    logs: list[tuple[LogKind, str]] = field(default_factory=list)
+    """vLLM's log records while the paths ran, counted per kind, with the
+    request that first logged each (`Parity.logs`)."""
 
 
 def parity_paths(names: Iterable[str]) -> list[str]:
@@ -700,6 +704,7 @@ def run_parity(
             result.divergences += found
             if found and spec.minimizing:
                 diverging.append((request, found))
+        result.logs = checker.logs
         if spec.minimizing:
             minimizer = Minimizer(
                 engines, spec.endpoint, chunkings=spec.chunkings, ignore=spec.ignore,

@@ -12,14 +12,18 @@ vLLM set up, in the process that logged them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 VLLM_LOGGER = "vllm"
+SERVE_LOGGER = "derender.serve"
+"""The serve path's logger, which reports stop-logic findings (parity
+reports each as a ``stop_logic`` divergence instead)."""
 
 
 @dataclass(frozen=True)
@@ -170,3 +174,15 @@ def tally_vllm_logs(
     """Count into `kinds` the vLLM log records of a whole run that no
     record's own collection took (those of writing the output, say)."""
     return _Routed(lambda line: count_logs(kinds, [line], current_record()), verbose)
+
+
+@contextlib.contextmanager
+def quieted(name: str) -> Iterator[None]:
+    """The logger `name` says nothing below errors, for the while."""
+    chosen = logging.getLogger(name)
+    level = chosen.level
+    chosen.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        chosen.setLevel(level)

@@ -43,13 +43,11 @@ Pure orchestration over `Derenderer` objects: no vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 

@@ -49,6 +49,7 @@ from .compare import (
     compare,
 )
 from .errors import ConfigError, RecordError
+from .logs import SERVE_LOGGER, LogKind, collected_vllm_logs, count_logs, quieted
 from .prompts import PromptRenderer, prompt_divergences
 from .protocol import Derenderer, Endpoint, FramesAnswer
 from .records import Record, RequestIndex, call_body, derender_body
@@ -425,6 +426,17 @@ class Parity:
         # of a derender path's engine (the serve path's renders the same).
         renderer = next((engines[p] for p in DERENDER_MODES if p in engines), next(iter(engines.values()), None))
         self.prompts = None if renderer is None else PromptRenderer(renderer)
+        self._logs: list[LogKind] = []
+        self._first_logged_by: dict[int, str] = {}
+        self._examined = 0
+
+    @property
+    def logs(self) -> list[tuple[LogKind, str]]:
+        """vLLM's log records while the paths ran, counted per kind, each
+        with the id of the request that first logged it: a parser's
+        traceback for a cut tool call comes once per path, so a run would
+        otherwise print it many times."""
+        return [(kind, self._first_logged_by[kind.first_record]) for kind in self._logs]
 
     def run(self, request: Request) -> list[Divergence]:
         """Every divergence between the paths for one request (one that
@@ -437,26 +449,35 @@ class Parity:
         observed, for a request that cannot run)."""
         if request.problem is not None:
             return Examination(request.request_id)
+        self._examined += 1
         findings: list[Divergence] = []
         seen_findings: set[tuple[Any, ...]] = set()
         observed: dict[tuple[str, str | None], Observed] = {}
-        for path in self.engines:
-            engine = self.engines[path]
-            before = len(getattr(engine, "findings", ()))
-            if path in STREAM_PATHS:
-                for chunking, bodies in request.streams:
-                    observed[(path, chunking)] = self._stream(engine, bodies)
-            elif request.one_shot is not None:
-                observed[(path, None)] = self._one_shot(engine, request.one_shot)
-            for finding in list(getattr(engine, "findings", ()))[before:]:
-                key = (finding.index, finding.recorded, finding.vllm)
-                if key not in seen_findings and "stop_logic" not in self.ignore:
-                    seen_findings.add(key)
-                    findings.append(
-                        Divergence(request.request_id, finding.index, RECORD, path, "stop_logic", finding.recorded, finding.vllm)
-                    )
-        if self.prompts is not None and "prompt_token_ids" not in self.ignore:
-            findings += prompt_divergences(self.prompts, self.endpoint, request.request_id, request.one_shot)
+        # The serve path logs each stop-logic finding as it runs (once per
+        # serve path); here each is one `stop_logic` divergence instead.
+        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False) as logged:
+            for path in self.engines:
+                engine = self.engines[path]
+                before = len(getattr(engine, "findings", ()))
+                if path in STREAM_PATHS:
+                    for chunking, bodies in request.streams:
+                        observed[(path, chunking)] = self._stream(engine, bodies)
+                elif request.one_shot is not None:
+                    observed[(path, None)] = self._one_shot(engine, request.one_shot)
+                for finding in list(getattr(engine, "findings", ()))[before:]:
+                    key = (finding.index, finding.recorded, finding.vllm)
+                    if key not in seen_findings and "stop_logic" not in self.ignore:
+                        seen_findings.add(key)
+                        findings.append(
+                            Divergence(request.request_id, finding.index, RECORD, path, "stop_logic", finding.recorded, finding.vllm)
+                        )
+            if self.prompts is not None and "prompt_token_ids" not in self.ignore:
+                findings += prompt_divergences(self.prompts, self.endpoint, request.request_id, request.one_shot)
+        if logged:
+            kinds = len(self._logs)
+            count_logs(self._logs, logged, self._examined)
+            if len(self._logs) > kinds:
+                self._first_logged_by[self._examined] = request.request_id
         divergences: list[Divergence] = []
         if request.recorded is not None:
             observed[(RECORDED, None)] = request.recorded

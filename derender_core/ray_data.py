@@ -58,8 +58,11 @@ import io
 import json
 import logging
 import os
+import re
+import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
@@ -343,6 +346,63 @@ def ray_cluster(address: str | None) -> Iterator[tuple[Any, float]]:
             ray.shutdown()
 
 
+_ACTOR_ARGUMENTS_LINE = re.compile(
+    rb"core_worker\.cc:\d+: Actor with class name: .* has constructor arguments in the object store and max_restarts > 0"
+)
+"""What Ray's C++ core logs on the driver's stderr as each Ray Data actor
+is created: Ray Data hands every actor its function and context as
+object-store references and asks for endless restarts (named parameters
+for neither exist), and keeps those references for the job, so the risk
+the line warns of (a restart without its arguments) does not arise."""
+
+
+@contextlib.contextmanager
+def _stderr_without(unwanted: re.Pattern[bytes]) -> Iterator[None]:
+    """The process's stderr (file descriptor 2, which Ray's C++ core writes
+    to, out of Python logging's reach) less the lines matching `unwanted`.
+    Everything else passes at once, in order; a partial line is held only
+    while it may be the start of a C++ log line (``[`` first)."""
+    try:
+        sys.stderr.flush()
+        original = os.dup(2)
+        read_end, write_end = os.pipe()
+    except (OSError, ValueError):
+        yield
+        return
+
+    def forward() -> None:
+        held = b""
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                lines = (held + chunk).split(b"\n")
+                held = lines.pop()
+                passed = b"".join(line + b"\n" for line in lines if not unwanted.search(line))
+                if held and not held.startswith(b"["):
+                    passed, held = passed + held, b""
+                _write_all(original, passed)
+        _write_all(original, held)
+
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    thread = threading.Thread(target=forward, name="derender-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(original, 2)  # the pipe's last write end: the thread reads to its end
+        thread.join(timeout=10)
+        if not thread.is_alive():  # else it may still write there: the descriptor stays
+            os.close(original)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data) :]
+
+
 def run_on_ray(
     config: RenderConfig,
     job: Job,
@@ -366,12 +426,14 @@ def run_on_ray(
     """
     bundle = ModelBundle.of(config)
     reports: list[tuple[str, Report]] = []
-    with ray_cluster(address) as (ray, startup):
+    with ray_cluster(address) as (ray, startup), _stderr_without(_ACTOR_ARGUMENTS_LINE):
         from ray.data import ActorPoolStrategy, DataContext
 
         context = DataContext.get_current()
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
+        # Ray Data warns that the progress bars this sets off are off.
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
         cpus = float(ray.cluster_resources().get("CPU", 1))
         size = actors or max(1, int(cpus))
         # Leave a CPU for the read and write tasks, or the job hangs.
@@ -387,19 +449,18 @@ def run_on_ray(
                 raise InputError("--ray reads files the cluster can reach, not stdin")
             dataset = _read(ray, input_path, job)
             compute = ActorPoolStrategy(size=size)
+            actor_args = {"compute": compute, "num_cpus": actor_cpus}
             if job.stream:
                 answered = (
                     dataset.map_batches(_with_stream_key(job), batch_format="pyarrow", num_cpus=LIGHT_TASK_CPUS)
                     .groupby("stream")
-                    .map_groups(Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                                compute=compute, num_cpus=actor_cpus)
+                    .map_groups(Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow", **actor_args)
                     .sort("key")
                 )  # fmt: skip
             else:
                 answered = dataset.map_batches(
-                    Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow",
-                    compute=compute, num_cpus=actor_cpus,
-                )  # fmt: skip
+                    Derender, fn_constructor_kwargs=constructor, batch_format="pyarrow", **actor_args
+                )
             if error_log is not None:
                 error_log.input_name = input_path
             report = _write(answered, job, open_writer, whole, input_path, fail_fast, error_log)

@@ -89,6 +89,7 @@ def test_cli_ray_streams_stay_on_one_actor_in_order(qwen3_stack: Stack, tmp_path
     flags = ["--config", "sample_data/qwen3.yaml", "--ray", "--ray-actors", "2"]
     done = cli("stream", str(stream_in), "--format", "sse", "-o", str(tmp_path / "out.sse"), *flags)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert_only_derender_lines(done.stderr)
     stream_lines = stream_in.read_bytes().splitlines()
     expected = local_answers(stack, Job(Endpoint.CHAT, stream=True), stream_lines, sse=True)
     assert normalized_bytes((tmp_path / "out.sse").read_bytes()) == normalized_bytes(expected)
@@ -198,6 +199,37 @@ def test_cli_ray_on_two_nodes_matches_a_local_run(cluster: Any, qwen3_stack: Sta
     assert normalized_bytes(got) == normalized_bytes(local_answers(stack, Job(Endpoint.CHAT), chat_lines))
     assert table.column("record").to_pylist() == list(range(1, len(chat_lines) + 1))
     assert b"start-up: ray" in done.stderr
+    assert_only_derender_lines(done.stderr)
+
+
+def assert_only_derender_lines(stderr: bytes) -> None:
+    """stderr holds derender's own lines only: none of Ray's, its C++
+    core's error line for each actor created (``core_worker.cc``:
+    "constructor arguments in the object store") among them."""
+    foreign = [line for line in stderr.decode().splitlines() if line and not line.startswith(("derender", "  "))]
+    assert foreign == []
+
+
+def test_stderr_without_drops_only_the_matching_lines() -> None:
+    """Lines written to file descriptor 2 from outside Python (as Ray's C++
+    core writes them) pass through in order, less the matching ones;
+    Python's own writes and a last line without its newline pass too."""
+    script = (
+        "import os, re, sys\n"
+        "from derender_core.ray_data import _ACTOR_ARGUMENTS_LINE, _stderr_without\n"
+        "with _stderr_without(_ACTOR_ARGUMENTS_LINE):\n"
+        "    os.write(2, b'[2026-12-05 01:15:19,194 E 1 1] core_worker.cc:2465: Actor with class name: "
+        "\\'MapWorker(MapBatches(Derender))\\' and ID: \\'22\\' has constructor arguments in the object store "
+        "and max_restarts > 0. If the arguments are lost, restarts fail.\\n[kept] core_worker.cc:1: other\\n')\n"
+        "    print('derender: from Python', file=sys.stderr)\n"
+        "    os.write(2, b'[2026-12-05 01:15:20,000 E 1 1] core_worker.cc:9: Actor with class name: '"
+        "b'\\'A\\' and ID: \\'1\\' has constructor arguments in the object store and max_restarts > 0.\\n')\n"
+        "    os.write(2, b'cut')\n"
+        "print('after', file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stderr == b"[kept] core_worker.cc:1: other\nderender: from Python\ncutafter\n"
 
 
 def test_ray_flag_without_ray_says_how_to_install(tmp_path: Path) -> None:
