@@ -26,7 +26,6 @@ import typer
 from rich.console import Console
 
 from derender_core import (
-    ConfigError,
     DerenderError,
     Endpoint,
     ExitStatus,
@@ -37,6 +36,7 @@ from derender_core import (
 )
 from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_parity
 from derender_core.minimize import DEFAULT_STEPS, Minimal
+from derender_core.outputs import RunPaths
 from derender_core.parity import PATHS, Chunking
 from derender_core.responses import ACTUAL, EXPECTED, diff_examinations
 
@@ -325,16 +325,15 @@ class Comparison:
 
     @classmethod
     def of(cls, flags: dict[str, Any]) -> "Comparison":
-        """From `options.COMPARE_OPTIONS` as given.
-
-        Raises:
-            ConfigError: for ``--report -`` with ``--html -`` (one stdout).
-
-        """
-        if flags["report"] == "-" and flags["html"] == "-":
-            raise ConfigError("--report - and --html -: only one of them can go to stdout")
+        """From `options.COMPARE_OPTIONS` as given."""
         normalization = Normalization(flags["ignore_created"], flags["ignore_ids"], flags["null_is_absent"])
         return cls(tuple(flags["ignore"] or ()), normalization, flags["report"], flags["html"], flags["quiet"])
+
+    @property
+    def outputs(self) -> tuple[tuple[str, str | None], ...]:
+        """The files the findings go to, by flag, for `RunPaths` to check
+        with the run's other files before it starts."""
+        return (("--report", self.report), ("--html", self.html))
 
     @contextlib.contextmanager
     def output(self, console: Console, title: str) -> Iterator[Findings]:
@@ -384,6 +383,7 @@ def parity(
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
         examine=comparison.html is not None, minimize=minimize, minimize_steps=minimize_steps, repro=repro,
+        outputs=comparison.outputs,
     )  # fmt: skip
     with comparison.output(console, f"derender parity: {recorded or input_path}") as found:
 
@@ -432,6 +432,7 @@ def diff(
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         comparison = Comparison.of(compare)
+        RunPaths((), comparison.outputs, read=[("EXPECTED", expected), ("ACTUAL", actual)])
         sides = {expected: list(read_items(expected)), actual: list(read_items(actual))}
         empty = [path for path, items in sides.items() if not any(item.holds_answer for item in items)]
         if empty:
@@ -450,12 +451,12 @@ def diff(
     except DerenderError as exc:
         console.print(f"derender: error: {exc}", markup=False)
         raise typer.Exit(ExitStatus.USAGE) from None
-    if not comparison.quiet:
-        console.print(f"derender: diff: {len(found.divergences)} divergences", markup=False)
     except StreamFailure as exc:  # --report or --html could not be written
         console.print(f"derender: the run could not finish: {exc}", markup=False)
         _discard_stdout()
         raise typer.Exit(exc.exit_status) from None
+    if not comparison.quiet:
+        console.print(f"derender: diff: {len(found.divergences)} divergences", markup=False)
     raise typer.Exit(ExitStatus.RECORDS_FAILED if found.divergences else ExitStatus.OK)
 
 

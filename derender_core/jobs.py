@@ -44,6 +44,7 @@ from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .logs import LogKind
 from .minimize import DEFAULT_STEPS, Minimal, Minimizer
+from .outputs import RunPaths
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
 from .records import (
@@ -51,7 +52,6 @@ from .records import (
     iter_records,
     open_input,
     open_output,
-    refuse_overwriting,
     standard_stream,
 )
 from .repro import prepare_repro, write_repro
@@ -269,10 +269,12 @@ def run_job(
     observer = observer or Silent()
     plan = plan_outputs(spec.inputs, spec.output, spec.stream_format, spec.resume)
     manifested = [target.output for target in plan if target.directory is None and keeps_manifest(target.output)]
-    refuse_overwriting(
+    paths = RunPaths(
         [*(("INPUT", path) for path in spec.inputs), ("--requests", spec.requests)],
-        [*(("-o", target.output) for target in plan), ("--errors", spec.errors),
+        [*(("-o", target.output) for target in plan if target.directory is None), ("--errors", spec.errors),
          *((f"the manifest of {out}", manifest_path(out)) for out in manifested)],
+        [("-o", str(target.directory)) for target in plan if target.directory is not None],
+        read=config_files(config),
     )  # fmt: skip
     if "-" in spec.inputs:
         standard_stream("stdin")
@@ -294,7 +296,7 @@ def run_job(
             raise InputError("--flavor serve runs in one process: drop --workers or use --workers 1")
         spec = dataclasses.replace(spec, workers=1)
     if spec.ray:
-        return _run_on_ray(config, spec, plan)
+        return _run_on_ray(config, spec, plan, paths)
     manifests = {
         target.output: _checked_manifest(config, spec, target)
         for target in plan
@@ -307,7 +309,18 @@ def run_job(
             f"replacing {len(replaced)} output(s) in {spec.output} that an earlier run left "
             "(--resume continues them instead)"
         )
-    return _run_here(config, spec, plan, observer, manifests, warm)
+    return _run_here(config, spec, plan, observer, manifests, warm, paths)
+
+
+def config_files(config: RenderConfig) -> list[tuple[str, str | None]]:
+    """The local files and directories the settings read (the model and
+    tokenizer directories, a chat template file, a generation config
+    directory), as inputs no output may replace. A Hub id or an inline
+    template names no local file and is passed over by `RunPaths`."""
+    return [
+        ("--model", config.model), ("--tokenizer", config.tokenizer), ("--chat-template", config.chat_template),
+        ("--generation-config", config.generation_config),
+    ]  # fmt: skip
 
 
 def build_engine(
@@ -358,6 +371,7 @@ def _run_here(
     observer: Observer,
     manifests: dict[str, tuple[Manifest, Manifest | None]],
     warm: WarmEngines | None,
+    paths: RunPaths,
 ) -> Summary:
     """On this machine: one engine, forked into workers, for every input."""
     summary = Summary()
@@ -389,7 +403,9 @@ def _run_here(
         for target in plan:
             if error_log is not None:
                 error_log.input_name = target.input
-            report = _run_one(engine, job, spec, target, outcomes, stop, observer, error_log, manifests.get(target.output))
+            report = _run_one(
+                engine, job, spec, target, outcomes, stop, observer, error_log, manifests.get(target.output), paths
+            )  # fmt: skip
             summary.add(target.input, report, target.output)
             if stop or report.unfinished is not None or report.stopped_at_failure:
                 break
@@ -402,7 +418,7 @@ def _error_log(spec: JobSpec, plan: list[Target], resources: contextlib.ExitStac
     return ErrorLog(resources.enter_context(open_output(spec.errors)), plan[0].input)
 
 
-def _run_on_ray(config: RenderConfig, spec: JobSpec, plan: list[Target]) -> Summary:
+def _run_on_ray(config: RenderConfig, spec: JobSpec, plan: list[Target], paths: RunPaths) -> Summary:
     """On a Ray cluster: the cluster reads and answers, this process writes."""
     from .ray_data import import_ray, run_on_ray
 
@@ -417,7 +433,7 @@ def _run_on_ray(config: RenderConfig, spec: JobSpec, plan: list[Target]) -> Summ
     from .vllm_seam.render import DerenderEngine
 
     openers = [
-        (target.input, functools.partial(open_writer, target, spec.stream_format, spec.endpoint, DerenderEngine))
+        (target.input, functools.partial(open_writer, target, spec.stream_format, spec.endpoint, DerenderEngine, taken=paths.claimed))
         for target in plan
     ]
     with contextlib.ExitStack() as resources:
@@ -441,13 +457,16 @@ def _run_one(
     observer: Observer,
     error_log: ErrorLog | None,
     manifest: tuple[Manifest, Manifest | None] | None,
+    paths: RunPaths,
 ) -> Report:
     """Derender one input into one output (and its manifest)."""
     done = prepare_output(target.output) if spec.resume else 0
     keeper = None if manifest is None else ManifestKeeper(target.output, *manifest, done=done)
     with contextlib.ExitStack() as resources:
         source = resources.enter_context(open_records(target.input, job, digests=keeper is not None))
-        writer = resources.enter_context(open_writer(target, spec.stream_format, job.endpoint, engine, append=done > 0))
+        writer = resources.enter_context(
+            open_writer(target, spec.stream_format, job.endpoint, engine, append=done > 0, taken=paths.claimed)
+        )
         records: Any = until_stopped(source.records, stop)
         if keeper is not None:
             records = keeper.track(records)
@@ -516,16 +535,23 @@ def plan_outputs(inputs: Sequence[str], output: str, stream_format: str | None, 
 
 @contextlib.contextmanager
 def open_writer(
-    target: Target, stream_format: str | None, endpoint: Endpoint, engine: Any, append: bool = False
+    target: Target,
+    stream_format: str | None,
+    endpoint: Endpoint,
+    engine: Any,
+    append: bool = False,
+    taken: Callable[[Path], object] | None = None,
 ) -> Iterator[Writer]:
     """The writer for the output format, over the opened output. `engine`
-    builds assembled responses (an engine, or its class)."""
+    builds assembled responses (an engine, or its class). `taken` tells
+    which paths of a directory of transcripts are the run's other files
+    (`RunPaths.claimed`)."""
     if target.directory is not None:
         try:
             target.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"cannot write to {target.directory}/: {exc.strerror or exc}") from None
-        yield SseWriter(directory=target.directory)
+        yield SseWriter(directory=target.directory, taken=taken)
         return
     if is_parquet(target.output):
         yield ParquetWriter(target.output, resume=append)
@@ -607,6 +633,10 @@ class ParitySpec:
     """Oracle runs per divergence the minimization may spend."""
     repro: str | None = None
     """Write a report per minimal divergence into this directory (`repro`)."""
+    outputs: Sequence[tuple[str, str | None]] = ()
+    """Files the caller writes from the result (flag, path; the command
+    line's ``--report`` and ``--html``), checked with the run's own outputs
+    before anything runs (`RunPaths`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", parity_paths(self.paths))
@@ -663,12 +693,14 @@ def run_parity(
     `spec.minimize` or `spec.repro`, each request's divergences are then
     minimized kind by kind (`on_minimized` hears of each), and written."""
     result = ParityResult()
-    if spec.minimizing:
-        refuse_overwriting(
-            [("INPUT", spec.input), ("--requests", spec.requests)], [("--minimize", spec.minimize)]
-        )  # fmt: skip
-        if spec.repro is not None:
-            prepare_repro(spec.repro)
+    run_paths = RunPaths(
+        [("INPUT", spec.input), ("--requests", spec.requests)],
+        [("--minimize", spec.minimize), *spec.outputs],
+        [("--repro", spec.repro)],
+        read=[("--from-serve", spec.recorded), *config_files(config)],
+    )  # fmt: skip
+    if spec.repro is not None:
+        prepare_repro(spec.repro)
     diverging: list[tuple[Request, list[Divergence]]] = []
     with contextlib.ExitStack() as resources:
         engines = _parity_engines(config, spec.paths, resources, warm)
@@ -719,7 +751,7 @@ def run_parity(
     if spec.minimize is not None:
         write_minimal(spec.minimize, result.minimized)
     if spec.repro is not None:
-        write_repro(spec.repro, result.minimized, config, spec.endpoint, parity_flags(spec))
+        write_repro(spec.repro, result.minimized, config, spec.endpoint, parity_flags(spec), run_paths.claimed)
     return result
 
 

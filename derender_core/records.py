@@ -29,6 +29,8 @@ input the earlier run read (`resume`).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import gzip
 import hashlib
 import io
@@ -749,6 +751,10 @@ class OutputFile:
         self._pending_bytes = 0
         self._last_flush = time.monotonic()
         self._failure: StreamFailure | None = None
+        self._offset = _plain_offset(target)
+        """Where the next batch starts in an uncompressed file (None where
+        that cannot be told), to count the whole records of a batch the
+        file took only in part (a full disk, ``ulimit -f``)."""
 
     def write(self, record: bytes) -> int:
         if self._failure is not None:
@@ -765,24 +771,75 @@ class OutputFile:
     def flush(self) -> None:
         if self._failure is not None:
             raise self._failure
-        batch, count = b"".join(self._pending), len(self._pending)
-        self._pending.clear()
+        records, self._pending = self._pending, []
+        batch = b"".join(records)
         self._pending_bytes = 0
         try:
-            if batch:
-                self._target.write(batch)
+            _write_all(self._target, batch)
             self._target.flush()
         except BrokenPipeError:
             raise
         except OSError as exc:
+            self.records_written += _whole_records(records, self._offset, self._target)
             self._failure = StreamFailure(f"cannot write {self.name}: {exc.strerror or exc}")
             raise self._failure from None
-        self.records_written += count
+        self.records_written += len(records)
+        if self._offset is not None:
+            self._offset += len(batch)
         self._last_flush = time.monotonic()
 
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+
+def _write_all(target: BinaryIO, batch: bytes) -> None:
+    """All of `batch`: a raw file (stdout under ``python -u`` or
+    ``PYTHONUNBUFFERED``) may take only part of it, and say so only in the
+    count it returns, never as an error."""
+    if not isinstance(target, io.RawIOBase):
+        target.write(batch)  # a buffered or compressing writer takes all, or raises
+        return
+    view = memoryview(batch)
+    while view:
+        written = target.write(view)
+        if not written:
+            raise OSError(errno.EAGAIN if written is None else errno.EIO, "the output took none of the bytes")
+        view = view[written:]
+
+
+def _plain_offset(target: BinaryIO) -> int | None:
+    """The file position of an uncompressed, seekable output (a plain file,
+    stdout redirected to one); None for a pipe or a compressed stream."""
+    if not isinstance(target, (io.BufferedWriter, io.FileIO)):
+        return None
+    try:
+        descriptor = target.fileno()
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        # Opened to append (``>>``), the descriptor's position is not yet the end.
+        return info.st_size if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_APPEND else target.tell()
+    except (OSError, ValueError):
+        return None
+
+
+def _whole_records(records: list[bytes], offset: int | None, target: BinaryIO) -> int:
+    """How many of a failed batch's records reached the file whole: those
+    that end within the bytes the file took (0 where that cannot be told)."""
+    if offset is None:
+        return 0
+    try:
+        reached = os.lseek(target.fileno(), 0, os.SEEK_CUR) - offset
+    except OSError:
+        return 0
+    whole, end = 0, 0
+    for record in records:
+        end += len(record)
+        if end > reached:
+            break
+        whole += 1
+    return whole
 
 
 @contextlib.contextmanager
@@ -843,59 +900,3 @@ def _flushed(output: OutputFile) -> Iterator[None]:
         raise
     if not output.failed:  # a failure was raised, and reported, when it happened
         output.flush()
-
-
-Roles = Mapping[str, str | None] | Iterable[tuple[str, str | None]]
-"""Flags and the paths they name, as a mapping or as pairs (shards share a flag)."""
-
-
-def refuse_overwriting(inputs: Roles, outputs: Roles) -> None:
-    """Refuse two roles (inputs, ``--requests``, outputs, ``--errors``)
-    that name one file, whatever the names (a symlink, a hard link, ``./``):
-    opening an output truncates it, so an input would be lost before it is
-    read, and two outputs would mix their lines. Run before anything is
-    opened. Keys name the flags, for the message; ``-`` is stdin or stdout.
-
-    Raises:
-        InputError: naming the two flags and the file.
-
-    """
-    seen: dict[tuple[Any, ...], tuple[str, bool]] = {}
-    roles = [(flag, path, False) for flag, path in _pairs(inputs)]
-    roles += [(flag, path, True) for flag, path in _pairs(outputs)]
-    for flag, path, writes in roles:
-        identity = _file_identity(path, sys.stdout if writes else sys.stdin)
-        if identity is None:
-            continue
-        if identity in seen:
-            other, other_writes = seen[identity]
-            if other_writes:
-                reason = "both would write it and mix their lines, so choose another output"
-            elif writes:
-                reason = "writing it would destroy it, so choose another output"
-            else:
-                reason = "name each file in one role only"
-            raise InputError(f"{flag} {path} is the same file as {other}; {reason}")
-        seen[identity] = (f"{flag} {path}", writes)
-
-
-def _pairs(roles: Roles) -> Iterable[tuple[str, str | None]]:
-    return roles.items() if isinstance(roles, Mapping) else roles
-
-
-def _file_identity(path: str | None, standard: Any) -> tuple[Any, ...] | None:
-    """Device and inode of an existing regular file (`standard` for ``-``),
-    so two names of one file compare equal; for a path that does not exist
-    yet, the path it resolves to (through symlinks, ``..`` and ``./``).
-    Devices, pipes and directories are not files two roles could share."""
-    if path is None:
-        return None
-    try:
-        info = os.fstat(standard.fileno()) if path == "-" else os.stat(path)
-    except FileNotFoundError:
-        return None if path == "-" else ("path", os.path.realpath(path))
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        return None
-    if not stat.S_ISREG(info.st_mode):
-        return None
-    return ("file", info.st_dev, info.st_ino)

@@ -130,15 +130,23 @@ class SseWriter(_GroupedWriter[list[bytes]]):
     server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
-    request gets ``<request_id>.sse``, the id escaped (`transcript_stem`).
+    request gets ``<request_id>.sse``, the id escaped (`transcript_stem`),
+    or ``<request_id>-N.sse`` where that name is taken: by another request,
+    or, as `taken` says, by one of the run's inputs or other outputs.
     """
 
-    def __init__(self, target: BinaryIO | None = None, directory: Path | None = None) -> None:
+    def __init__(
+        self,
+        target: BinaryIO | None = None,
+        directory: Path | None = None,
+        taken: Callable[[Path], object] | None = None,
+    ) -> None:
         super().__init__()
         if (target is None) == (directory is None):
             raise ValueError("give exactly one of target and directory")
         self._target = target
         self._directory = directory
+        self._taken = taken
         self._file_names: dict[str | None, str] = {}
         self._files_written = 0
 
@@ -181,10 +189,14 @@ class SseWriter(_GroupedWriter[list[bytes]]):
                 stem = f"{stem[: _MAX_STEM - 17]}-{digest}"
             taken = set(self._file_names.values())
             name, suffix = f"{stem}.sse", 2
-            while name in taken:
+            while name in taken or self._claimed(name):
                 name, suffix = f"{stem}-{suffix}.sse", suffix + 1
             self._file_names[request_id] = name
         return self._file_names[request_id]
+
+    def _claimed(self, name: str) -> bool:
+        """Whether the run's input or another of its outputs is that file."""
+        return self._taken is not None and self._directory is not None and bool(self._taken(self._directory / name))
 
     def _finish(self) -> None:
         if self._target is not None:

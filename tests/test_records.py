@@ -30,7 +30,6 @@ from derender_core.records import (
     iter_records,
     open_input,
     parse_line,
-    refuse_overwriting,
 )
 from tests.helpers import slow_pipe
 
@@ -539,18 +538,3 @@ def test_a_closed_pipe_is_not_an_output_failure() -> None:
     output.write(b"x")
     with pytest.raises(BrokenPipeError):
         output.flush()
-
-
-def test_outputs_that_are_inputs_are_refused(tmp_path: Path) -> None:
-    source = tmp_path / "in.jsonl"
-    source.write_text("{}\n")
-    (tmp_path / "link.jsonl").symlink_to(source)
-    os.link(source, tmp_path / "hard.jsonl")
-    for alias in ("in.jsonl", "link.jsonl", "hard.jsonl", "./in.jsonl"):
-        with pytest.raises(InputError, match="is the same file as INPUT"):
-            refuse_overwriting({"INPUT": str(source)}, {"-o": str(tmp_path / alias)})
-    (tmp_path / "out").touch()
-    with pytest.raises(InputError, match="--errors .* is the same file as -o"):
-        refuse_overwriting({"INPUT": str(source)}, {"-o": str(tmp_path / "out"), "--errors": str(tmp_path / "out")})
-    refuse_overwriting({"INPUT": str(source), "--requests": None}, {"-o": str(tmp_path / "new.jsonl"), "--errors": None})
-    assert source.read_text() == "{}\n"
