@@ -143,7 +143,9 @@ def test_repro_script_reproduces_on_vllm_launch_render(tmp_path: Path) -> None:
     """A divergence between vLLM's own one-shot and streaming derender
     endpoints (a coverage.KNOWN_ISSUES stream of the Qwen3 family, the
     bundled sample): minimized, reported, and reproduced by the report's
-    script against a real `vllm launch render` it starts itself."""
+    script against a real `vllm launch render` it starts itself, in an
+    environment that sets nothing for vLLM (no VLLM_TARGET_DEVICE, no
+    CUDA_VISIBLE_DEVICES), as on a user's machine without a GPU."""
     b = SampleBuilder(qwen3_family(SAMPLE / "qwen3"))
     plan = next(p for p in family_plans(b) if p.request_id == "family-unicode-arguments")
     assert any(issue.case == "qwen3" and plan.request_id in issue.streams for issue in KNOWN_ISSUES)
@@ -153,11 +155,17 @@ def test_repro_script_reproduces_on_vllm_launch_render(tmp_path: Path) -> None:
     done = run_cli("parity", str(given), *flags, "--minimize", str(minimal), "--repro", str(repro))
     assert done.returncode == 1, done.stderr.decode()
     name = "family-unicode-arguments~oneshot-replay-content"
-    report = (repro / f"{name}.md").read_text()
+    (report_path,) = repro.glob("*.md")
+    stem = report_path.name[: -len(".md")]
+    assert stem.startswith(f"{name}-")  # the id, readable, then its digest
+    report = report_path.read_text()
     assert "vllm launch render --model sample_data/qwen3" in report and "⟦" in report
-    assert [json.loads(line) for line in (repro / f"{name}.jsonl").read_text().splitlines()] == by_request(minimal)[name]
-    script = repro / f"{name}.sh"
+    assert f"also in `{stem}.jsonl`" in report
+    assert [json.loads(line) for line in (repro / f"{stem}.jsonl").read_text().splitlines()] == by_request(minimal)[name]
+    script = repro / f"{stem}.sh"
     env = offline_env(PORT=str(free_port()), VLLM=f"{sys.executable} -m vllm.entrypoints.cli.main")
+    for variable in ("VLLM_TARGET_DEVICE", "CUDA_VISIBLE_DEVICES", "VLLM_RENDER_URL"):
+        env.pop(variable, None)
     ran = subprocess.run(["bash", str(script)], capture_output=True, cwd=REPO, env=env, timeout=500, text=True)
     assert ran.returncode == 1, ran.stdout + ran.stderr
     lines = ran.stdout.splitlines()
