@@ -12,7 +12,10 @@ the reference path's (which validates every request) in
 from __future__ import annotations
 
 import copy
+import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from derender_core import Endpoint
 from derender_core.vllm_seam.render import _chat_requests
 from derender_core.vllm_seam.requests import ChatCompletionRequest
 from tests.conftest import sample_config
+from tests.helpers import REPO, offline_env
 from tests.sample_inputs import SampleBuilder, chat_bodies, qwen3_family
 
 WEATHER = {
@@ -167,7 +171,9 @@ OPTIONAL = {
         st.dictionaries(st.text(max_size=4), st.one_of(st.booleans(), st.text(max_size=3))), ODD,
         st.just({1: "not a string key"}),
     ),  # fmt: skip
-    "stop": st.one_of(st.lists(st.text(max_size=3), max_size=3), st.text(max_size=3), ODD, st.just(["a", 1])),
+    # Lists up to past VLLM_MAX_STOP_STRINGS (4 unless set), which the
+    # model reads from vLLM's env as it is imported.
+    "stop": st.one_of(st.lists(st.text(max_size=3), max_size=10), st.text(max_size=3), ODD, st.just(["a", 1])),
     "cache_salt": st.one_of(st.just("salt"), st.just("")),
     "stream_options": st.just({"include_usage": True}),
     "unknown_field": ODD,
@@ -288,3 +294,51 @@ def test_the_request_filled_in_is_the_one_the_engine_answers(qwen3_stack: Any) -
 def test_what_validation_refuses_or_changes_is_left_to_it(raw: dict[str, Any]) -> None:
     assert _chat_requests().build(copy.deepcopy(raw)) is None
     check(raw)
+
+
+STOP_LIMIT_PROBE = """
+import json, sys
+from tests.test_requests import check
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+for raw in json.loads(sys.argv[1]):
+    built = check(raw) is not None
+    try:
+        ChatCompletionRequest.model_validate(raw)
+        validated = True
+    except Exception:
+        validated = False
+    print(json.dumps([len(raw["stop"]), built, validated]))
+"""
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    limit=st.integers(0, 9),
+    stops=st.lists(st.lists(st.text(max_size=2), max_size=12), min_size=1, max_size=12),
+)
+def test_the_stop_list_limit_is_the_one_vllm_reads_from_its_env(limit: int, stops: list[list[str]]) -> None:
+    """``VLLM_MAX_STOP_STRINGS`` is read as vLLM imports its protocol: in a
+    process started with a drawn limit, a request is built exactly where
+    vLLM's own validation accepts its stop list (issue 31 case 18)."""
+    requests = [{"messages": [{"role": "user", "content": "x"}], "stop": stop} for stop in stops]
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_LIMIT_PROBE, json.dumps(requests)],
+        capture_output=True, cwd=REPO, env=offline_env(VLLM_MAX_STOP_STRINGS=str(limit)), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    seen = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(seen) == len(stops)
+    for length, built, validated in seen:
+        assert built == validated == (length <= limit), (limit, length, built, validated)
+
+
+@pytest.mark.parametrize("past", [0, 1, 4])
+def test_a_stop_list_past_the_limit_is_left_to_validation(past: int) -> None:
+    """Past the limit of this process's vLLM the request is not built, and
+    validation refuses it (`List should have at most 4 items after
+    validation`, with the default limit)."""
+    import vllm.envs
+
+    length = vllm.envs.VLLM_MAX_STOP_STRINGS + past
+    raw = {"messages": [{"role": "user", "content": "x"}], "stop": [f"s{k}" for k in range(length)]}
+    assert (check(raw) is not None) == (past == 0)

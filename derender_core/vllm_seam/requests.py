@@ -31,9 +31,13 @@ came from afterwards.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
+import annotated_types
+from pydantic.fields import FieldInfo
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionToolsParam
 
 _ATOMS = (type(None), bool, int, float, str)
@@ -43,8 +47,9 @@ _FLOATS = frozenset(
 )
 """``float | None`` fields: an int comes out as the equal float."""
 
-_INTS = frozenset({"max_tokens", "max_completion_tokens", "top_k", "n"})
-"""``int | None`` fields, with no bounds."""
+_INTS = frozenset({"max_tokens", "max_completion_tokens", "top_k", "n", "seed"})
+"""``int | None`` fields; their bounds, if any, are read off the model
+(`_Limit`)."""
 
 _BOOLS = frozenset(
     {
@@ -62,9 +67,79 @@ _BOOLS = frozenset(
 )
 """Fields that keep a JSON bool as it is."""
 
-_SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
-
 _TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+_BUILT = (
+    _FLOATS | _INTS | _BOOLS
+    | {"messages", "model", "top_logprobs", "tools", "tool_choice", "stop", "chat_template_kwargs"}
+)  # fmt: skip
+"""The fields `ChatRequests.build` takes; a request with any other goes
+to validation."""
+
+_RULES_KNOW_VALIDATORS = frozenset({"top_logprobs"})
+"""Fields whose own validators `build`'s rules already follow (a null
+``top_logprobs`` is 0: `build` takes only integers, which it keeps)."""
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """The bounds vLLM's model puts on one field: a number's, and a list's
+    length (``stop``'s, from VLLM_MAX_STOP_STRINGS)."""
+
+    lower: int | float | None = None
+    upper: int | float | None = None
+    items: int | None = None
+
+    @classmethod
+    def of(cls, name: str, field: FieldInfo) -> _Limit | None:
+        """The field's bounds, or None where it has a constraint or
+        validator besides these (validation then takes the field)."""
+        found: dict[str, Any] = {}
+        for owner, item in _metadata(field.annotation, tuple(field.metadata), "value"):
+            if type(item) is annotated_types.Ge and owner == "value" and "lower" not in found:
+                found["lower"] = item.ge
+            elif type(item) is annotated_types.Le and owner == "value" and "upper" not in found:
+                found["upper"] = item.le
+            elif type(item) is annotated_types.MaxLen and owner == "list" and "items" not in found:
+                found["items"] = item.max_length
+            elif name not in _RULES_KNOW_VALIDATORS:
+                return None
+        return cls(**found)
+
+    @property
+    def bounded(self) -> bool:
+        return self.lower is not None or self.upper is not None or self.items is not None
+
+    def admits(self, value: Any) -> bool:
+        """Whether a value `build` took (of its field's exact type) is
+        within the bounds."""
+        if type(value) is list:
+            return self.items is None or len(value) <= self.items
+        if type(value) in (int, float):
+            return (self.lower is None or value >= self.lower) and (self.upper is None or value <= self.upper)
+        return True
+
+
+def _metadata(annotation: Any, metadata: tuple[Any, ...], owner: str) -> Iterator[tuple[str, Any]]:
+    """Each constraint and validator on a field, with what it bounds: the
+    field's value, or a list member of its type (``Annotated[list[str],
+    Field(max_length=4)]``)."""
+    for item in metadata:
+        if isinstance(item, FieldInfo):
+            yield from ((owner, inner) for inner in item.metadata)
+        else:
+            yield owner, item
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        base, *extra = get_args(annotation)
+        yield from _metadata(base, tuple(extra), "list" if get_origin(base) is list else owner)
+    elif origin in (Union, UnionType):
+        for member in get_args(annotation):
+            yield from _metadata(member, (), owner)
+    elif origin is not None:  # a list's or dict's items: bounds `build` does not read
+        for member in get_args(annotation):
+            yield from _metadata(member, (), "item")
 
 
 class ChatRequests:
@@ -94,6 +169,19 @@ class ChatRequests:
         )
         self._tools = TypeAdapter(list[ChatCompletionToolsParam])
         self._messages = _Messages()
+        # The bounds vLLM's model puts on the fields built here (the stop
+        # list's length comes from VLLM_MAX_STOP_STRINGS, read as vLLM
+        # imports its protocol), read off the model so that they are the
+        # ones validation applies; a field with a constraint not read here
+        # is left to validation.
+        self._limits: dict[str, _Limit] = {}
+        self._unbuilt: set[str] = set()
+        for name in _BUILT:
+            limit = _Limit.of(name, fields[name])
+            if limit is None:
+                self._unbuilt.add(name)
+            elif limit.bounded:
+                self._limits[name] = limit
         self.usable = (
             template.__pydantic_extra__ == {}
             and template.__pydantic_fields_set__ == {"messages"}
@@ -108,7 +196,10 @@ class ChatRequests:
             return None
         values: dict[str, Any] = {}
         tools = None
+        unbuilt = self._unbuilt
         for key, value in raw.items():
+            if key in unbuilt:
+                return None
             if key == "messages":
                 if type(value) is not list:
                     return None
@@ -138,10 +229,6 @@ class ChatRequests:
                 if value is not None and type(value) is not str:
                     return None
                 values[key] = value
-            elif key == "seed":
-                if value is not None and not (type(value) is int and _SEED_RANGE[0] <= value <= _SEED_RANGE[1]):
-                    return None
-                values[key] = value
             elif key == "top_logprobs":
                 if type(value) is not int or value < 0:
                     return None
@@ -169,6 +256,10 @@ class ChatRequests:
                 return None
         if "messages" not in values:
             return None
+        for name, limit in self._limits.items():
+            value = values.get(name)
+            if value is not None and not limit.admits(value):
+                return None
         # vLLM's model validators, for these fields: what they refuse goes
         # the slow way, which words it.
         if values.get("top_logprobs", 0) > 0 and not raw.get("logprobs"):
