@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
 import orjson
 
+from .lax import read_int, requested_choices, streaming
 from .protocol import Endpoint
 
 _RESPONSE_KEYS = ("generate_response", "generate_responses")
@@ -73,9 +73,10 @@ def check_body(
     checker = _Checker(vocab_size, passed)
     try:
         _check_shape(body, stream)
-        request = body.get(endpoint.request_key)
-        n = _requested_choices(request)
-        n_source = _N_SOURCES[endpoint] if (type(request) is dict or isinstance(request, Mapping)) else None
+        # n as vLLM's validation reads it ("2" and 2.0 are 2), so choice 1
+        # of such a request is no problem; a value it refuses bounds nothing.
+        n = requested_choices(body.get(endpoint.request_key), endpoint.request_key)
+        n_source = _N_SOURCES[endpoint] if n is not None else None
         if stream:
             if not checker.usual_stream_call(body, n):
                 checker.stream_call(body, n, n_source)
@@ -105,7 +106,7 @@ def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
             f"generate_chunk: the body also holds {response_key}; a derender call "
             "takes a whole response or one stream chunk, not both"
         )
-    if stream and body.get("stream") is not True:
+    if stream and not streaming(body.get("stream")):
         given = _shown(body["stream"]) if "stream" in body else "not set"
         raise _Found(
             f"stream: {given}, so this is a one-shot call; "
@@ -113,15 +114,6 @@ def _check_shape(body: Mapping[str, Any], stream: bool) -> None:
             "generate_chunk). Derender one-shot bodies with `derender chat` or "
             "`derender completion`."
         )
-
-
-def _requested_choices(request: Any) -> int | None:
-    """``n`` of the original request (its default 1 when unset); None
-    without a request, when only the choices themselves can be checked."""
-    if not (type(request) is dict or isinstance(request, Mapping)):
-        return None
-    n = request.get("n")
-    return n if type(n) is int and n >= 1 else 1
 
 
 class _Checker:
@@ -378,32 +370,13 @@ class _Checker:
         anything else, False: vLLM refuses it in its own words."""
         if type(value) is int:
             return True
-        read_as = _read_as_int(value)
+        read_as = read_int(value)
         if read_as is None:
             return False
         raise _Found(
             f"{path}: {_shown(value)} is a {_json_type(value)}, not {role} "
             f"(the server would read it as {_shown(read_as)})"
         )
-
-
-def _read_as_int(value: Any) -> int | None:
-    """What vLLM's models (pydantic, lax mode) read an int field as, for a
-    value that is not a JSON integer: ``true`` is 1, ``2.0`` is 2, ``"3"``
-    is 3. None when they refuse it."""
-    if value is None or isinstance(value, (list, dict)):
-        return None
-    try:
-        return _int_reader().validate_python(value)  # type: ignore[no-any-return]
-    except ValueError:  # pydantic's ValidationError
-        return None
-
-
-@cache
-def _int_reader() -> Any:
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(int)
 
 
 def _json_type(value: Any) -> str:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .lax import read_bool, read_int, requested_choices
 from .protocol import Answer, Endpoint
 
 
@@ -59,18 +60,19 @@ class ChunkFacts(NamedTuple):
         choices = chunk.get("choices")
         choices = choices if isinstance(choices, list) else []
         first = _mapping(choices[0]) if choices else {}
-        index = first.get("index")
+        index = read_int(first.get("index"))  # as vLLM reads it, as n below
         request = _mapping(body.get(endpoint.request_key))
-        n = request.get("n")
+        # As vLLM reads it: a request's "2" or 2.0 is two choices.
+        n = requested_choices(request, endpoint.request_key)
         request_id = chunk.get("request_id")
         stream_options = request.get("stream_options")
         return cls(
             request_id if isinstance(request_id, str) else None,
-            index if isinstance(index, int) and not isinstance(index, bool) else None,
+            index,
             first.get("finish_reason") is not None,
             not choices and chunk.get("usage") is not None,
-            n if isinstance(n, int) and n > 0 else 1,
-            stream_options is not None and _mapping(stream_options).get("include_usage") is True,
+            1 if n is None else n,
+            read_bool(_mapping(stream_options).get("include_usage")) is True,
             # An explicit null is the client's own choice too: the server
             # starts the stream afresh for it.
             "stream_state" in body,
