@@ -527,8 +527,10 @@ class _EmittedText:
 def _text_html(label: str, text: str, index: Any = None) -> str:
     """One field's text, its last `TEXT_CHARS` characters, labelled by the
     field (and the choice, when `index` is given)."""
-    shown = label if index is None else f"[{_name(index)}] {label}"
-    return f'<div class="txt"><span class="fk">{_esc(shown)}</span> <code>{_esc(_json(_tail(text, TEXT_CHARS)))}</code></div>'
+    return (
+        f'<div class="txt"><span class="fk">{_esc(label if index is None else f"[{_name(index)}] {label}")}</span> '
+        f"<code>{_esc(_json(_tail(text, TEXT_CHARS)))}</code></div>"
+    )
 
 
 def _frame_html(frame: _Frame, marked: bool) -> str:
