@@ -37,9 +37,11 @@ class _Found(Exception):
 class PassedPrompts:
     """Prompt id lists that passed the checks, as their JSON bytes: every
     call of a stream carries its prompt again, and checking it again on
-    every chunk cost more than the chunk's own work. Equal bytes are the
-    same JSON (``1``, ``1.0`` and ``true`` differ in bytes; a list that
-    passed holds integers only), so the check's result is the same.
+    every chunk cost more than the chunk's own work. Equal bytes get the
+    same verdict: ``1``, ``1.0`` and ``true`` differ in bytes, and the
+    values that share theirs (null, NaN and the infinities, all written
+    ``null``) are none of them an integer vLLM reads, so the check leaves
+    each to vLLM's own words alike (``tests/test_lax.py`` draws them).
     Kept up to `budget` bytes in all, then forgotten at once."""
 
     def __init__(self, budget: int = 16 << 20) -> None:
