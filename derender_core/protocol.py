@@ -79,6 +79,38 @@ DERENDER_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETION)
 """The endpoints that derender token ids (`derender chat`, `completion`, `stream`)."""
 
 
+class JsonString(str):
+    """A body that is a JSON string (a line such as ``"hello"``), parsed:
+    `post` answers it as the server answers any body that is not an object.
+    A plain `str` given to `post` is taken for a line's JSON text not yet
+    parsed, and refused (`parsed_body`)."""
+
+    __slots__ = ()
+
+
+def parsed_body(body: Any) -> Any:
+    """The body `post` validates, as the server's JSON parser would have
+    given it: a `JsonString` as the plain string it stands for, anything
+    else but text as it is.
+
+    Raises:
+        TypeError: for a body given as JSON text (`str`, `bytes`) rather
+            than parsed (a dict, for any call the server answers): the
+            server's answer to a body that is a string, a 400 about
+            ``model_attributes_type``, would name none of this.
+
+    """
+    kind = type(body)
+    if kind is JsonString:
+        return str(body)
+    if isinstance(body, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"post takes the body parsed from JSON (a dict: json.loads(line)), not its text as {kind.__name__}"
+            + ("; a body that is a JSON string is protocol.JsonString(text)" if isinstance(body, str) else "")
+        )
+    return body
+
+
 class Answer:
     """What the endpoint answered: HTTP status and the JSON body's bytes,
     exactly as the server would send them."""

@@ -52,7 +52,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from .errors import InputError, RecordError, StreamFailure
-from .protocol import Endpoint
+from .protocol import Endpoint, JsonString
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -414,13 +414,17 @@ def parse_body(body: bytes) -> tuple[Any, JsonProblem | None]:
     # server's parser, keeps them exact, so such lines go to it.
     if body.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0:
         try:
-            return orjson.loads(body), None
+            payload = orjson.loads(body)
+            return (JsonString(payload) if type(payload) is str else payload), None
         except orjson.JSONDecodeError:
             pass
     # Python's json also accepts what orjson refuses (NaN, Infinity), as the
     # server's parser does, and words its errors the way FastAPI reports them.
     try:
-        return json.loads(body), None
+        payload = json.loads(body)
+        # A line that is a JSON string is answered as the server answers it
+        # (`post` refuses a plain str as text not yet parsed).
+        return (JsonString(payload) if type(payload) is str else payload), None
     except UnicodeDecodeError as exc:
         return None, JsonProblem(f"not text in any JSON encoding: {exc.reason}", None)
     except json.JSONDecodeError as exc:

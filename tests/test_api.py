@@ -166,3 +166,40 @@ def test_post_takes_an_endpoint_by_its_name_and_refuses_an_unknown_one(qwen3_sta
         engine.post("nope", chat)
     with pytest.raises(ValueError, match="unknown endpoint"):
         engine.in_mode(live=True).post("/v1/chat/completions/derender", chat)
+
+
+@pytest.mark.parametrize("kind", [str, bytes, bytearray, memoryview])
+def test_post_refuses_a_line_not_yet_parsed(qwen3_stack: Stack, kind: type) -> None:
+    """`post` takes the parsed body: the JSONL line itself, as text or
+    bytes, is a TypeError that says so, not the server's 400 about a body
+    that is a string (``model_attributes_type``)."""
+    from derender_core.protocol import JsonString
+
+    body = next(iter(chat_bodies(qwen3_stack.builder)))
+    line = json.dumps(body)
+    given = line if kind is str else kind(line.encode())
+    for engine in (qwen3_stack.engine, qwen3_stack.engine.in_mode(live=False, decode="reference")):
+        for endpoint in (Endpoint.CHAT, Endpoint.RENDER_CHAT):
+            with pytest.raises(TypeError, match=r"post takes the body parsed from JSON \(a dict: json\.loads\(line\)\)"):
+                engine.post(endpoint, given)
+    assert engine.post(Endpoint.CHAT, json.loads(line)).ok
+    # A body that is a JSON string, parsed, is answered as the server does.
+    served = qwen3_stack.server.post_raw(Endpoint.CHAT, json.dumps(line).encode())
+    answer = qwen3_stack.engine.post(Endpoint.CHAT, JsonString(line))
+    assert (answer.status, answer.body) == (served.status_code, served.json())
+    assert "model_attributes_type" in answer.error_message
+
+
+def test_a_line_that_is_a_json_string_is_answered_as_the_server_does(qwen3_stack: Stack, tmp_path: Any) -> None:
+    """Such lines reach `post` as `JsonString`s: derender's answers stay the
+    server's, in process and from workers."""
+    from tests.helpers import run_cli
+
+    lines = [json.dumps("hello"), json.dumps(json.dumps(next(iter(chat_bodies(qwen3_stack.builder)))))]
+    path = tmp_path / "strings.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    served = [qwen3_stack.server.post_raw(Endpoint.CHAT, line.encode()).json() for line in lines]
+    for workers in ("1", "2"):
+        done = run_cli("chat", str(path), "--config", "sample_data/qwen3.yaml", "-q", "-j", workers, env={"DERENDER_NO_SERVER": "1"})
+        assert done.returncode == 1, done.stderr.decode()
+        assert [json.loads(line) for line in done.stdout.splitlines()] == served

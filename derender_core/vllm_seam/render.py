@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
-from ..protocol import Answer, Endpoint
+from ..protocol import Answer, Endpoint, parsed_body
 from .answers import json_answer, stream_answer
 from .parsers import SHARING
 from .renderer import RenderHalf
@@ -239,8 +239,11 @@ class DerenderEngine(CodeAPI):
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would: a derender
         call, or a render call (`renderer.RenderHalf`). `endpoint` may be
-        given by its value ("chat"); anything else raises ValueError."""
+        given by its value ("chat"); anything else raises ValueError. A
+        body given as JSON text raises TypeError (`protocol.parsed_body`)."""
         endpoint = Endpoint.of(endpoint)
+        if type(body) is not dict:
+            body = parsed_body(body)
         if endpoint.renders:
             with collector_paused():
                 return self._rendering().post(self, self._serving, endpoint, body)
