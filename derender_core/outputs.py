@@ -170,10 +170,11 @@ def _input_identities(path: str | None) -> list[Identity]:
 def _check_writable(flag: str, path: str) -> None:
     """Refuse an output file that cannot be written, leaving what is
     there as it was."""
-    real = os.path.realpath(path)
     try:
-        info = os.stat(real)
+        info = os.stat(path)
     except FileNotFoundError:
+        # Not there yet (or a symlink to nowhere): where opening it creates it.
+        real = os.path.realpath(path)
         with _made_parents(flag, path, os.path.dirname(real)):
             _probe(flag, path, lambda: os.close(os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)))
             os.unlink(real)
@@ -185,8 +186,8 @@ def _check_writable(flag: str, path: str) -> None:
     if stat.S_ISREG(info.st_mode) or stat.S_ISCHR(info.st_mode):
         # O_APPEND, no O_TRUNC: the file keeps its bytes if the run is refused.
         flags = os.O_WRONLY | os.O_APPEND | os.O_NOCTTY | os.O_NONBLOCK
-        _probe(flag, path, lambda: os.close(os.open(real, flags)))
-    elif not os.access(real, os.W_OK):  # a FIFO or socket: opening it could block or connect
+        _probe(flag, path, lambda: os.close(os.open(path, flags)))
+    elif not os.access(path, os.W_OK):  # a FIFO or socket: opening it could block or connect
         raise InputError(f"cannot write {flag} {path}: permission denied")
 
 

@@ -222,71 +222,72 @@ def answers(tmp_path: Path, responses: bytes) -> tuple[Path, Path]:
     return expected, actual
 
 
-DIFF_CASES = [
-    (["--html", "{A}"], "--html {A} is the same file as EXPECTED {A}"),
-    (["--report", "{B}"], "--report {B} is the same file as ACTUAL {B}"),
-    (["--html", "{dir}/link-to-A"], "--html {dir}/link-to-A is the same file as EXPECTED {A}"),
-    (["--report", "{dir}/hard-to-B"], "--report {dir}/hard-to-B is the same file as ACTUAL {B}"),
-    (["--report", "{dir}/F", "--html", "{dir}/F"], "--html {dir}/F is the same file as --report {dir}/F"),
-    (["--report", "-", "--html", "-"], "only one of them can go to stdout"),
-    (["--html", "/proc/nope/x.html"], "cannot write --html /proc/nope/x.html: No such file or directory"),
-    (["--report", "{A}/r.jsonl"], "cannot write --report {A}/r.jsonl: Not a directory"),
+COMPARE_CASES = [
+    # diff EXPECTED ACTUAL: A and B.
+    ("diff", ["--html", "{A}"], "--html {A} is the same file as EXPECTED {A}"),
+    ("diff", ["--report", "{B}"], "--report {B} is the same file as ACTUAL {B}"),
+    ("diff", ["--html", "{dir}/link-to-A"], "--html {dir}/link-to-A is the same file as EXPECTED {A}"),
+    ("diff", ["--report", "{dir}/hard-to-B"], "--report {dir}/hard-to-B is the same file as ACTUAL {B}"),
+    ("diff", ["--report", "{dir}/F", "--html", "{dir}/F"], "--html {dir}/F is the same file as --report {dir}/F"),
+    ("diff", ["--report", "-", "--html", "-"], "only one of them can go to stdout"),
+    ("diff", ["--html", "/proc/nope/x.html"], "cannot write --html /proc/nope/x.html: No such file or directory"),
+    ("diff", ["--report", "{A}/r.jsonl"], "cannot write --report {A}/r.jsonl: Not a directory"),
+    # parity INPUT: S.
+    ("parity", ["--report", "{S}"], "--report {S} is the same file as INPUT {S}"),
+    ("parity", ["--html", "{S}"], "--html {S} is the same file as INPUT {S}"),
+    ("parity", ["--html", "{dir}/link-to-S"], "--html {dir}/link-to-S is the same file as INPUT {S}"),
+    ("parity", ["--report", "{dir}/hard-to-S"], "--report {dir}/hard-to-S is the same file as INPUT {S}"),
+    ("parity", ["--minimize", "{dir}/link-to-S"], "--minimize {dir}/link-to-S is the same file as INPUT {S}"),
+    ("parity", ["--report", "{dir}/F", "--html", "{dir}/F"], "--html {dir}/F is the same file as --report {dir}/F"),
+    ("parity", ["--minimize", "{dir}/F", "--report", "{dir}/F"], "--report {dir}/F is the same file as --minimize {dir}/F"),
+    ("parity", ["--minimize", "{dir}/F", "--html", "{dir}/./F"], "--html {dir}/./F is the same file as --minimize {dir}/F"),
+    ("parity", ["--minimize", "{dir}/F", "--repro", "{dir}/F"], "--repro {dir}/F is the same file as --minimize {dir}/F"),
+    ("parity", ["--report", "-", "--html", "-"], "only one of them can go to stdout"),
+    ("parity", ["--html", "/proc/nope/x.html"], "cannot write --html /proc/nope/x.html: No such file or directory"),
+    ("parity", ["--report", "/proc/nope/r.jsonl"], "cannot write --report /proc/nope/r.jsonl: No such file or directory"),
+    ("parity", ["--minimize", "/proc/nope/m.jsonl"], "cannot write --minimize /proc/nope/m.jsonl: No such file or directory"),
+    ("parity", ["--repro", "/proc/nope/r"], "cannot write --repro /proc/nope/r: No such file or directory"),
+    ("parity", ["--repro", "{S}"], "cannot write into --repro {S}: it is not a directory"),
+    ("parity", ["--html", "{S}/x.html"], "cannot write --html {S}/x.html: Not a directory"),
+    ("parity", ["--html", "{dir}"], "cannot write --html {dir}: it is a directory"),
 ]
 
 
-@pytest.mark.parametrize(("flags", "message"), DIFF_CASES, ids=[" ".join(f) for f, _ in DIFF_CASES])
-def test_diff_refuses_an_output_before_reading(answers: tuple[Path, Path], flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "flags", "message"), COMPARE_CASES, ids=[f"{c} {' '.join(f)}" for c, f, _ in COMPARE_CASES]
+)
+def test_parity_and_diff_refuse_an_output_before_the_run(
+    answers: tuple[Path, Path], command: str, flags: list[str], message: str
+) -> None:
+    """Exit status 2 before anything is read or run, every file in the
+    directory (inputs, links) as it was."""
     expected, actual = answers
     directory = expected.parent
-    (directory / "link-to-A").symlink_to(expected)
-    os.link(actual, directory / "hard-to-B")
-    before = files_in(directory)
-    names = {"A": expected, "B": actual, "dir": directory}
-    done = derender("diff", str(expected), str(actual), *(flag.format(**names) for flag in flags))
-    refused(done, message.format(**names))
-    assert files_in(directory) == before
-
-
-@pytest.fixture
-def parity_input(tmp_path: Path) -> Path:
-    """A parity input (derender bodies), with a symlink and a hard link to it."""
-    source = tmp_path / "S.jsonl"
+    source = directory / "S.jsonl"
     shutil.copy(SAMPLE / "chat.jsonl", source)
-    (tmp_path / "link-to-S").symlink_to(source)
-    os.link(source, tmp_path / "hard-to-S")
-    return source
-
-
-PARITY_CASES = [
-    (["--report", "{S}"], "--report {S} is the same file as INPUT {S}"),
-    (["--html", "{S}"], "--html {S} is the same file as INPUT {S}"),
-    (["--html", "{dir}/link-to-S"], "--html {dir}/link-to-S is the same file as INPUT {S}"),
-    (["--report", "{dir}/hard-to-S"], "--report {dir}/hard-to-S is the same file as INPUT {S}"),
-    (["--minimize", "{dir}/link-to-S"], "--minimize {dir}/link-to-S is the same file as INPUT {S}"),
-    (["--report", "{dir}/F", "--html", "{dir}/F"], "--html {dir}/F is the same file as --report {dir}/F"),
-    (["--minimize", "{dir}/F", "--report", "{dir}/F"], "--report {dir}/F is the same file as --minimize {dir}/F"),
-    (["--minimize", "{dir}/F", "--html", "{dir}/./F"], "--html {dir}/./F is the same file as --minimize {dir}/F"),
-    (["--minimize", "{dir}/F", "--repro", "{dir}/F"], "--repro {dir}/F is the same file as --minimize {dir}/F"),
-    (["--report", "-", "--html", "-"], "only one of them can go to stdout"),
-    (["--html", "/proc/nope/x.html"], "cannot write --html /proc/nope/x.html: No such file or directory"),
-    (["--report", "/proc/nope/r.jsonl"], "cannot write --report /proc/nope/r.jsonl: No such file or directory"),
-    (["--minimize", "/proc/nope/m.jsonl"], "cannot write --minimize /proc/nope/m.jsonl: No such file or directory"),
-    (["--repro", "/proc/nope/r"], "cannot write --repro /proc/nope/r: No such file or directory"),
-    (["--repro", "{S}"], "cannot write into --repro {S}: it is not a directory"),
-    (["--html", "{S}/x.html"], "cannot write --html {S}/x.html: Not a directory"),
-    (["--html", "{dir}"], "cannot write --html {dir}: it is a directory"),
-]
-
-
-@pytest.mark.parametrize(("flags", "message"), PARITY_CASES, ids=[" ".join(f) for f, _ in PARITY_CASES])
-def test_parity_refuses_an_output_before_the_run(parity_input: Path, flags: list[str], message: str) -> None:
-    directory = parity_input.parent
+    for link, target in (("link-to-A", expected), ("link-to-S", source)):
+        (directory / link).symlink_to(target)
+    for link, target in (("hard-to-B", actual), ("hard-to-S", source)):
+        os.link(target, directory / link)
     before = files_in(directory)
-    names = {"S": parity_input, "dir": directory}
-    done = derender("parity", str(parity_input), *FLAGS, *(flag.format(**names) for flag in flags))
-    refused(done, message.format(**names))
+    names = {"A": expected, "B": actual, "S": source, "dir": directory}
+    given = ["diff", str(expected), str(actual)] if command == "diff" else ["parity", str(source), *FLAGS]
+    refused(derender(*given, *(flag.format(**names) for flag in flags)), message.format(**names))
     assert files_in(directory) == before
-    assert parity_input.read_bytes() == (SAMPLE / "chat.jsonl").read_bytes()
+
+
+def test_outputs_a_shell_hands_over_are_written(answers: tuple[Path, Path]) -> None:
+    """/dev/stdout on a pipe and a process substitution (/dev/fd/N) name
+    pipes, which resolve to no path: they are written, not refused."""
+    expected, actual = answers
+    done = derender("diff", str(expected), str(actual), "--html", "/dev/stdout")
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.startswith(b"<!DOCTYPE html>")
+    page = expected.parent / "page.html"
+    script = f'"{DERENDER}" diff "{expected}" "{actual}" --html >(cat > "{page}") --report /dev/null; status=$?; wait; exit $status'
+    done = subprocess.run(["bash", "-c", script], capture_output=True, env={**os.environ, **NO_SERVER}, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()
+    assert page.read_bytes().startswith(b"<!DOCTYPE html>")
 
 
 def test_parity_from_serve_keeps_the_recording_and_the_requests(tmp_path: Path) -> None:
