@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,71 @@ class _Dom(HTMLParser):
 
     def card_text(self, anchor: str) -> str:
         return "".join(self.cards[anchor]["text"])
+
+
+@dataclass
+class _Section:
+    """One pair's section: its request, title and transcript rows, each
+    row whether it is highlighted and per cell the JSON of its frames."""
+
+    request: str
+    title: str
+    rows: list[tuple[bool, list[list[str]]]] = field(default_factory=list)
+
+
+class _Transcripts(HTMLParser):
+    """Every pair's transcript on a page, frame by frame (the frames' JSON view)."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.sections: list[_Section] = []
+        self._request = ""
+        self._table = False
+        self._reading: str | None = None
+        self._text: list[str] = []
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = {k: v or "" for k, v in attrs}
+        classes = found.get("class", "").split()
+        if tag == "details" and "request" in classes:
+            self._request = found.get("data-request", "")
+        elif tag in ("h3", "pre") and (tag == "h3" or "json" in classes):
+            self._reading, self._text = tag, []
+        elif tag == "table" and "tx" in classes:
+            self._table = True
+        elif self._table and tag == "tr" and "id" in found:
+            self.sections[-1].rows.append(("hl" in classes, []))
+        elif self._table and tag == "td" and self.sections[-1].rows:
+            self.sections[-1].rows[-1][1].append([])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "h3" and self._reading == "h3":
+            self.sections.append(_Section(self._request, "".join(self._text)))
+        elif tag == "pre" and self._reading == "pre":
+            self.sections[-1].rows[-1][1][-1].append("".join(self._text))
+        elif tag == "table":
+            self._table = False
+        if tag == self._reading:
+            self._reading = None
+
+    def handle_data(self, data: str) -> None:
+        if self._reading is not None:
+            self._text.append(data)
+
+
+def _emitted(frames: list[str]) -> dict[int, str]:
+    """The text a cell's frames emit, per choice (content, reasoning and
+    tool-call arguments, in order)."""
+    found: dict[int, str] = {}
+    for text in frames:
+        for choice in json.loads(text).get("choices") or []:
+            delta = choice.get("delta") or {}
+            parts = [delta.get("content"), delta.get("reasoning")]
+            parts += [(call.get("function") or {}).get("arguments") for call in delta.get("tool_calls") or []]
+            found[choice["index"]] = found.get(choice["index"], "") + "".join(p for p in parts if p)
+    return {index: text for index, text in found.items() if text}
 
 
 def _stream_examination(request_id: str = "req-1") -> Examination:
@@ -265,3 +331,19 @@ def test_the_sample_page_in_a_browser(tmp_path: Path) -> None:
         if line["left"] != "record":
             targets = [link[1:] for link in dom.cards[f"d-{number}"]["links"] if link.startswith("#f-")]
             assert targets and all("hl" in dom.ids[t].get("class", "").split() for t in targets), (number, line)
+    # Each row pairs the frames of one call: serve's frame for a call sits on
+    # that call's row (serve sends it once the next call has come), so both
+    # sides emit the same text on every row, and only the rows a divergence
+    # is at are highlighted (not every row, as a row late would make them).
+    serve_pairs = [section for section in _Transcripts(dumped).sections if section.title == "replay vs serve"]
+    assert [section.request for section in serve_pairs] == ["stream-speculative-unicode", "stream-n2", "stream-tool-call"]
+    for section in serve_pairs:
+        texts = [(_emitted(cells[-2]), _emitted(cells[-1])) for _, cells in section.rows]
+        assert all(left == right for left, right in texts), (section.request, texts)
+        assert sum(1 for left, _ in texts if left) >= 4
+        highlighted = [k + 1 for k, (marked, _) in enumerate(section.rows) if marked]
+        assert 0 < len(highlighted) < len(section.rows) * 0.6, (section.request, highlighted)
+        assert 1 in highlighted  # the role frame, every stream's first divergence
+    # The header says how the streams ran: each with the input's own chunking.
+    header = dumped[: dumped.index("</header>")]
+    assert "stream chunking: the input's own" in header.replace("&#x27;", "'") and "chunking 1" not in header
