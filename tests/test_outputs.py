@@ -178,12 +178,12 @@ def test_refused_exactly_when_an_output_is_the_input(tmp_path_factory: pytest.Te
     """Drawn file names from the whole of Unicode, and drawn ways of naming
     the input again: refused exactly when one output is the input (or two
     outputs one file), and the input's bytes kept either way."""
-    directory = tmp_path_factory.mktemp("aliases")
+    directory, elsewhere = tmp_path_factory.mktemp("inputs"), tmp_path_factory.mktemp("outputs")
     source = directory / name
     source.write_bytes(b"input\n")
     outputs = []
     for number, alias in enumerate(aliases):
-        path = directory / f"out{number}"
+        path = elsewhere / f"out{number}"
         if alias == "same":
             path = source
         elif alias == "dot":
