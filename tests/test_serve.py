@@ -35,6 +35,7 @@ from derender_core.batch import Job
 from derender_core.protocol import DERENDER_ENDPOINTS, FramesAnswer
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
+from derender_core.vllm_seam.versions import installed
 from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests.conftest import ServeStack, Stack
 from tests.helpers import SAMPLE, jsonl_answers, normalize, normalized_bytes, run_cli, run_lines
@@ -369,7 +370,7 @@ def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Pat
     ours = sorted(p.name for p in tmp_path.iterdir())
     assert ours == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
     # serve's fingerprint hashes its config, model path as given included.
-    fingerprint = re.compile(rb'"system_fingerprint":"vllm-0\.33\.0-[0-9a-f]{8}"')
+    fingerprint = re.compile(rb'"system_fingerprint":"vllm-' + re.escape(installed().encode()) + rb'-[0-9a-f]{8}"')
     in_process = fingerprint.sub(b"", normalized_bytes(out.getvalue()))
     for name in ours:
         transcript = fingerprint.sub(b"", normalized_bytes((tmp_path / name).read_bytes()))
@@ -382,7 +383,7 @@ def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Pat
     assert [line["id"] for line in lines] == [
         "chatcmpl-chat-tool-call", "chatcmpl-chat-n2-logprobs", "chatcmpl-chat-unicode", "chatcmpl-chat-stop-string",
     ]  # fmt: skip
-    assert all(line["system_fingerprint"].startswith("vllm-0.33.0-") for line in lines)
+    assert all(line["system_fingerprint"].startswith(f"vllm-{installed()}-") for line in lines)
     assert normalize(lines[3]["choices"]) == normalize(
         qwen3_serve.engine.post(Endpoint.CHAT, list(chat_bodies(qwen3_serve.builder))[3]).body["choices"]
     )

@@ -24,7 +24,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "requests": ("0.33.0",),
     "responses": ("0.33.0",),
     "live": ("0.33.0",),
-    "serve": ("0.33.0",),
+    "serve": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0",),
 }
 """Each fast path and the vLLM releases its differential tests passed on:
