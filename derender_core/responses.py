@@ -129,19 +129,18 @@ def _items_of(path: str) -> Iterator[Item]:
             if problem is not None:
                 raise InputError(f"{path}:{line_number}: not JSON ({problem.message})")
             for chunk in _stream_chunks(payload, sse):
-                malformed = frame_problem(chunk)
-                if malformed is None:
-                    # An error event has no id: it ends the stream it interrupts.
-                    key = str(chunk.get("id", "")) if "error" not in chunk else last_key or f"error@{line_number}"
-                    last_key = key
-                    if key not in streams:
-                        streams[key] = Item(key, chunks=[], line=line_number)
-                        order.append(streams[key])
-                    stream = streams[key]
-                    malformed = _logprobs_kind_problem(chunk, stream.endpoint if stream.chunks else None)
+                # An error event has no id: it ends the stream it interrupts.
+                key = "" if not isinstance(chunk, Mapping) else (
+                    str(chunk.get("id", "")) if "error" not in chunk else last_key or f"error@{line_number}"
+                )  # fmt: skip
+                malformed = frame_problem(chunk, streams[key].endpoint if key in streams else None)
                 if malformed is not None:
                     raise InputError(f"{path}:{line_number}: not a stream frame a client can read: {malformed}")
-                stream.chunks.append(chunk)  # type: ignore[union-attr]
+                last_key = key
+                if key not in streams:
+                    streams[key] = Item(key, chunks=[], line=line_number)
+                    order.append(streams[key])
+                streams[key].chunks.append(chunk)  # type: ignore[union-attr]
             if not sse and not _is_stream_answer(payload):
                 item = Item(str(payload.get("id", f"line {line_number}")) if isinstance(payload, Mapping)
                             else f"line {line_number}", line=line_number)  # fmt: skip
@@ -178,6 +177,7 @@ def _stream_chunks(payload: Any, sse: bool) -> list[Any]:
 
 _TEXT_KEYS = ("role", "content", "reasoning")
 _LOGPROB_LISTS = ("content", "text_offset", "token_logprobs", "tokens", "top_logprobs")
+_TYPE_NAMES: dict[type, str] = {list: "a list", Mapping: "an object", str: "a string"}
 
 
 def _kind(value: Any) -> str:
@@ -193,93 +193,63 @@ def _kind(value: Any) -> str:
     return "a list" if isinstance(value, list) else "an object" if isinstance(value, Mapping) else type(value).__name__
 
 
-def frame_problem(chunk: Any) -> str | None:
+def _not(where: str, value: Any, kind: type) -> str | None:
+    """The problem when `value` is neither null nor a `kind`."""
+    return None if value is None or isinstance(value, kind) else f"{where} is {_kind(value)}, not {_TYPE_NAMES[kind]}"
+
+
+def _no_index(where: str, holder: Mapping[str, Any]) -> str | None:
+    """The problem when `holder` (a choice, a tool-call piece) has no integer ``index``."""
+    if "index" not in holder:
+        return f"{where} has no index"
+    index = holder["index"]
+    return None if isinstance(index, int) and not isinstance(index, bool) else f"{where}.index is {_kind(index)}, not an integer"
+
+
+def frame_problem(chunk: Any, endpoint: Endpoint | None = None) -> str | None:
     """What keeps a client from assembling this stream frame, or None.
 
     The frame's reader (`writers.Assembly`, as a client does) joins text,
     tool-call pieces, logprobs and token ids per choice ``index``; each of
-    those must have the type a server writes, or be null. An error event
-    (``{"error": ...}``) is read as the error it is.
+    those must have the type a server writes, or be null; a chat stream's
+    logprobs are joined by their ``content`` list (`endpoint`: the
+    stream's, from its first frame; by default this frame's). An error
+    event (``{"error": ...}``) is read as the error it is.
     """
+    return next((problem for problem in _frame_problems(chunk, endpoint) if problem is not None), None)
+
+
+def _frame_problems(chunk: Any, endpoint: Endpoint | None) -> Iterator[str | None]:
     if not isinstance(chunk, Mapping):
-        return f"the frame is {_kind(chunk)}, not an object"
+        yield f"the frame is {_kind(chunk)}, not an object"
+        return
     if "error" in chunk:
-        return None
+        return
+    chat = (endpoint or Item("", chunks=[chunk]).endpoint) is Endpoint.CHAT
     choices = chunk.get("choices")
-    if choices is not None and not isinstance(choices, list):
-        return f"choices is {_kind(choices)}, not a list"
+    yield _not("choices", choices, list)
     for number, choice in enumerate(choices or []):
         where = f"choices[{number}]"
-        if not isinstance(choice, Mapping):
-            return f"{where} is {_kind(choice)}, not an object"
-        if "index" not in choice:
-            return f"{where} has no index"
-        index = choice["index"]
-        if not isinstance(index, int) or isinstance(index, bool):
-            return f"{where}.index is {_kind(index)}, not an integer"
+        yield _not(where, choice, Mapping) or _no_index(where, choice)
         delta = choice.get("delta")
-        if delta is not None and not isinstance(delta, Mapping):
-            return f"{where}.delta is {_kind(delta)}, not an object"
-        delta = delta or {}
-        texts = [(f"{where}.delta.{key}", delta.get(key)) for key in _TEXT_KEYS] + [(f"{where}.text", choice.get("text"))]
-        for name, value in texts:
-            if value is not None and not isinstance(value, str):
-                return f"{name} is {_kind(value)}, not a string"
-        problem = _tool_calls_problem(f"{where}.delta.tool_calls", delta.get("tool_calls"))
-        problem = problem or _logprobs_problem(f"{where}.logprobs", choice.get("logprobs"))
-        if problem is not None:
-            return problem
-        token_ids = choice.get("token_ids")
-        if token_ids is not None and not isinstance(token_ids, list):
-            return f"{where}.token_ids is {_kind(token_ids)}, not a list"
-    return None
-
-
-def _logprobs_kind_problem(chunk: Mapping[str, Any], endpoint: Endpoint | None) -> str | None:
-    """A chat stream's logprobs are joined by their ``content`` list, so
-    each frame's logprobs must hold one (`endpoint`: the stream's, from its
-    first frame; None for the first frame itself)."""
-    chat = Item("", chunks=[chunk]).endpoint if endpoint is None else endpoint
-    if chat is not Endpoint.CHAT or "error" in chunk:
-        return None
-    for number, choice in enumerate(chunk.get("choices") or []):
+        yield _not(f"{where}.delta", delta, Mapping)
+        for key in _TEXT_KEYS:
+            yield _not(f"{where}.delta.{key}", (delta or {}).get(key), str)
+        yield _not(f"{where}.text", choice.get("text"), str)
+        yield _not(f"{where}.token_ids", choice.get("token_ids"), list)
+        calls = (delta or {}).get("tool_calls")
+        yield _not(f"{where}.delta.tool_calls", calls, list)
+        for place, call in enumerate(calls or []):
+            name = f"{where}.delta.tool_calls[{place}]"
+            yield _not(name, call, Mapping) or _no_index(name, call) or _not(f"{name}.function", call.get("function"), Mapping)
+            for key in ("name", "arguments"):
+                yield _not(f"{name}.function.{key}", (call.get("function") or {}).get(key), str)
         logprobs = choice.get("logprobs")
-        if logprobs is not None and "content" not in logprobs:
-            return f"choices[{number}].logprobs has no content list (a chat stream's logprobs)"
-    return None
-
-
-def _tool_calls_problem(where: str, calls: Any) -> str | None:
-    if calls is None:
-        return None
-    if not isinstance(calls, list):
-        return f"{where} is {_kind(calls)}, not a list"
-    for number, call in enumerate(calls):
-        name = f"{where}[{number}]"
-        if not isinstance(call, Mapping):
-            return f"{name} is {_kind(call)}, not an object"
-        if not isinstance(call.get("index"), int) or isinstance(call.get("index"), bool):
-            return f"{name}.index is {_kind(call.get('index'))}, not an integer"
-        function = call.get("function")
-        if function is not None and not isinstance(function, Mapping):
-            return f"{name}.function is {_kind(function)}, not an object"
-        for key in ("name", "arguments"):
-            value = (function or {}).get(key)
-            if value is not None and not isinstance(value, str):
-                return f"{name}.function.{key} is {_kind(value)}, not a string"
-    return None
-
-
-def _logprobs_problem(where: str, logprobs: Any) -> str | None:
-    if logprobs is None:
-        return None
-    if not isinstance(logprobs, Mapping):
-        return f"{where} is {_kind(logprobs)}, not an object"
-    for key in _LOGPROB_LISTS:
-        value = logprobs.get(key)
-        if value is not None and not isinstance(value, list):
-            return f"{where}.{key} is {_kind(value)}, not a list"
-    return None
+        yield _not(f"{where}.logprobs", logprobs, Mapping)
+        for key in _LOGPROB_LISTS:
+            yield _not(f"{where}.logprobs.{key}", (logprobs or {}).get(key), list)
+        if chat and logprobs is not None and "content" not in logprobs:
+            yield f"{where}.logprobs has no content list (a chat stream's logprobs)"
 
 
 def diff_items(
