@@ -67,8 +67,8 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
         for divergence in members:
             left, right = _differing(divergence.left_value, divergence.right_value)
             table.add_row(
-                Text(_cell(str(divergence.request_id))),
-                "" if divergence.index is None else _cell(str(divergence.index)),
+                Text(_cell(str(divergence.request_id), 2 * VALUE_WIDTH)),
+                Text("" if divergence.index is None else _cell(str(divergence.index))),
                 Text(divergence.chunking or ""),
                 Text(_short(left)),
                 Text(_short(right)),

@@ -300,11 +300,12 @@ def test_diff_refuses_a_stream_frame_no_client_can_read(tmp_path: Path, path: tu
     assert b"Traceback" not in done.stderr and not (tmp_path / "r.jsonl").exists()
 
 
-@pytest.mark.parametrize(("value", "status"), [([1], 1), ("<b>0</b>", 1), (0.5, 1), (..., 0), (0, 0)])
+@pytest.mark.parametrize(("value", "status"), [([1], 1), ("<b>0</b>", 1), ("[/x] [bold]", 1), (0.5, 1), (..., 0), (0, 0)])
 def test_diff_compares_a_one_shot_choice_whatever_its_index(tmp_path: Path, value: Any, status: int) -> None:
     """Case 7, one-shot answers: a choice whose index is not an integer is
-    a choice of its own (the expected choice 0 is missing beside it), one
-    without an index is its place in the list."""
+    a choice of its own (the expected choice 0 is missing beside it; Rich
+    markup in it is text in the table), one without an index is its place
+    in the list."""
     done, _ = _diff(tmp_path, json.dumps(_CHAT) + "\n", json.dumps(_with(_CHAT, ("choices", 0, "index"), value)) + "\n",
                     "--report", str(tmp_path / "r.jsonl"))  # fmt: skip
     assert done.returncode == status, done.stderr[-2000:]
