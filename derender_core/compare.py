@@ -110,8 +110,10 @@ class Observed:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     calls: list[int] | None = None
-    """For a stream run call by call: how many of `chunks` each call
-    answered, so that two paths' transcripts line up by call."""
+    """For a stream run call by call: how many of `chunks` answer each call
+    (serve sends a call's frames once the next call has come; they count
+    with the call they answer), so that two paths' transcripts line up by
+    call."""
 
 
 @dataclass
