@@ -96,6 +96,15 @@ def extra_chat_cases(b: SampleBuilder) -> list[dict[str, Any]]:
                 }
             ]
         ),
+        # Generate output the engine already decoded (output_mode "text") or
+        # derendered ("derender"): the derender endpoints take token ids only,
+        # and the server's own validation words the refusal (docs/formats.md).
+        *(
+            body([{"index": 0, "token_ids": hello}], generate_response={
+                "request_id": "edge", "output_mode": mode, "choices": [{"index": 0, "token_ids": hello}],
+            })
+            for mode in ("text", "derender", "tokens")
+        ),
         # Shapes FastAPI rejects before the handler.
         {"generate_response": {"choices": "nope"}},
         {"stream": False},
