@@ -51,7 +51,7 @@ from .wire import HEADER, PIDFILE_NAME, PROTOCOL, SOCKET_NAME, code_differences,
 # (the Hub cache's place among them): the server imported them with its
 # own, so a call with other values runs fresh.
 IMPORT_TIME_VARIABLES = re.compile(
-    r"^(VLLM_|HF_|HUGGINGFACE_|TRANSFORMERS_|TORCH|TIKTOKEN_|OMP_|MKL_|CUDA_)|^(HOME|XDG_CACHE_HOME)$"
+    r"^(VLLM_|HF_|HUGGINGFACE_|TRANSFORMERS_|TORCH|TIKTOKEN_|OMP_|MKL_|CUDA_)|^(HOME|XDG_CACHE_HOME|DERENDER_FAST_PATHS)$"
 )
 MAPPED_LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_STACK")
 """Limits on memory the server has mapped already: a child cannot take on

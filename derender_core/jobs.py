@@ -323,6 +323,16 @@ def config_files(config: RenderConfig) -> list[tuple[str, str | None]]:
     ]  # fmt: skip
 
 
+def _say_fast_paths(observer: Observer) -> None:
+    """Say once per run that the fast paths are off (a vLLM they were not
+    proven on, or ``DERENDER_FAST_PATHS=off``): the answers are vLLM's own."""
+    from .vllm_seam.versions import notice
+
+    message = notice()
+    if message is not None:
+        observer.notice(message)
+
+
 def build_engine(
     config: RenderConfig,
     *,
@@ -334,7 +344,15 @@ def build_engine(
     """The engine for a run, and how the summary names its start-up: the
     warm server's, when it holds one for exactly these settings."""
     if flavor == "serve":
+        from .vllm_seam import versions
         from .vllm_seam.serve import ServeEngine
+
+        if not versions.proven("serve"):
+            raise ConfigError(
+                f"--flavor serve drives vllm serve's private handlers, proven on vLLM "
+                f"{', '.join(versions.PROVEN['serve'])} only; vLLM {versions.installed()} is installed"
+                + (f" ({versions.OFF_ENV}=off)" if versions.installed() in versions.PROVEN["serve"] else "")
+            )
 
         return ServeEngine.build(config), "model"
     if warm is not None:
@@ -382,6 +400,7 @@ def _run_here(
             resources.callback(requests.close)
         error_log = _error_log(spec, plan, resources)
         observer.loading(config.model or "")
+        _say_fast_paths(observer)
         engine, startup_name = build_engine(
             config, flavor=spec.flavor, live=spec.live, decode=spec.decode, warm=warm
         )  # fmt: skip
