@@ -399,7 +399,7 @@ _CHECK = r'''import json, re, sys
 
 sys.stdout.reconfigure(errors="backslashreplace")  # a lone surrogate in an answer is shown, not fatal
 
-field, index, one_shot_name, stream_name = sys.argv[3], json.loads(sys.argv[4]), sys.argv[5], sys.argv[6]
+field, index, one_shot_name, stream_name = json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5], sys.argv[6]
 one_shot = json.load(open(sys.argv[1]))
 answers = [json.loads(line) for line in open(sys.argv[2])]
 
@@ -545,7 +545,7 @@ def repro_script(minimal: Minimal, config: RenderConfig, endpoint: Endpoint) -> 
     lines += [
         "set +e",
         "python3 - \"$WORK/one_shot.answer.json\" \"$WORK/stream.jsonl\" "
-        + shlex.join([divergence.field, json.dumps(divergence.index), f"one-shot ({one_shot_side})", f"stream ({stream_side})"])
+        + shlex.join([json.dumps(divergence.field), json.dumps(divergence.index), f"one-shot ({one_shot_side})", f"stream ({stream_side})"])
         + " <<'PY'",
         _CHECK.rstrip("\n"),
         "PY",
