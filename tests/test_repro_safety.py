@@ -122,9 +122,9 @@ def test_names_pass_over_a_claimed_file_and_a_taken_stem(tmp_path: Path) -> None
 
 def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, qwen3_stack: Stack) -> None:
     """`--repro .` run beside its input, with the issue's ids, injections,
-    a 300-character id and a lone surrogate, and with files of the input
-    (the input itself, a hard link, a symlink) sitting where three reports
-    would go: every record gets its own report, each report names the
+    a 300-character id and a lone surrogate, and with files of the run
+    (the input itself, a hard link and a symlink to it, the `--report`)
+    sitting where four reports would go: every record gets its own report, each report names the
     record file it wrote, no input changes, and every script, run against
     the real `vllm launch render`, reproduces and runs nothing else."""
     canary = tmp_path / "canary"
@@ -139,13 +139,16 @@ def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, 
     original = given_input.read_bytes()
     os.link(given_input, work / f"{file_stem(f'chat.2~{KIND}')}.md")
     (work / f"{file_stem(f'req.1~{KIND}')}.sh").symlink_to(given_input.name)
-    done = run_cli("parity", given_input.name, *FLAGS, "--repro", ".", cwd=work)
+    # And the run's --report where req.2's report would go.
+    table = work / f"{file_stem(f'req.2~{KIND}')}.md"
+    done = run_cli("parity", given_input.name, *FLAGS, "--repro", ".", "--report", table.name, cwd=work)
     assert done.returncode == 1, done.stderr.decode()
     assert given_input.read_bytes() == original
     assert (work / f"{file_stem(f'chat.2~{KIND}')}.md").read_bytes() == original
     assert os.readlink(work / f"{file_stem(f'req.1~{KIND}')}.sh") == given_input.name
     reports = sorted(work.glob("*-*.md"))
-    reports = [r for r in reports if r.stat().st_ino != given_input.stat().st_ino]
+    reports = [r for r in reports if r.stat().st_ino != given_input.stat().st_ino and r != table]
+    assert {line["request_id"] for line in map(json.loads, table.read_text().splitlines())} == set(ids)
     assert len(reports) == len(ids)
     seen = set()
     for report in reports:
@@ -166,6 +169,7 @@ def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, 
     assert (work / f"{file_stem(f'chat.1~{KIND}')}-2.md").exists()
     assert (work / f"{file_stem(f'chat.2~{KIND}')}-2.md").exists()
     assert (work / f"{file_stem(f'req.1~{KIND}')}-2.sh").exists()
+    assert (work / f"{file_stem(f'req.2~{KIND}')}-2.md").exists()
     assert not canary.exists()
 
 
