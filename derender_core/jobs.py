@@ -43,7 +43,7 @@ from .datasets import (
 from .errors import ConfigError, InputError, StreamFailure
 from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .logs import LogKind
-from .minimize import DEFAULT_STEPS, Minimal, Minimizer
+from .minimize import DEFAULT_STEPS, Minimal, Minimizer, json_bytes
 from .outputs import RunPaths
 from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
@@ -798,7 +798,7 @@ def write_minimal(path: str, minimized: Iterable[Minimal]) -> None:
     with open_output(path) as sink:
         for minimal in minimized:
             for record in minimal.records:
-                sink.write(orjson.dumps(record) + b"\n")
+                sink.write(json_bytes(record) + b"\n")
 
 
 def _new_ids(examination: Examination, known: Mapping[int, str]) -> set[int]:

@@ -352,7 +352,7 @@ class Size:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
         return cls(
-            output, len(records), 0 if request is None else len(_json_bytes(request)),
+            output, len(records), 0 if request is None else len(json_bytes(request)),
             len(prompt) if isinstance(prompt, list) else 0,
         )  # fmt: skip
 
@@ -400,7 +400,7 @@ class Minimal:
         return self.divergence.kind
 
 
-def _json_bytes(value: Any) -> bytes:
+def json_bytes(value: Any) -> bytes:
     """`value` as compact JSON bytes; a string orjson refuses (a lone
     surrogate, which a record's JSON may hold) as an escape."""
     try:
@@ -591,7 +591,7 @@ class _Oracle:
 
     def __call__(self, case: Case) -> bool:
         records = case.records(self.request_id)
-        key = _json_bytes(records)
+        key = json_bytes(records)
         if key in self._seen:
             return self._seen[key]
         if self.runs >= self.steps:

@@ -141,7 +141,9 @@ def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, 
     (work / f"{file_stem(f'req.1~{KIND}')}.sh").symlink_to(given_input.name)
     # And the run's --report where req.2's report would go.
     table = work / f"{file_stem(f'req.2~{KIND}')}.md"
-    done = run_cli("parity", given_input.name, *FLAGS, "--repro", ".", "--report", table.name, cwd=work)
+    done = run_cli(
+        "parity", given_input.name, *FLAGS, "--repro", ".", "--report", table.name, "--minimize", "minimal.json", cwd=work
+    )  # fmt: skip
     assert done.returncode == 1, done.stderr.decode()
     assert given_input.read_bytes() == original
     assert (work / f"{file_stem(f'chat.2~{KIND}')}.md").read_bytes() == original
@@ -149,6 +151,8 @@ def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, 
     reports = sorted(work.glob("*-*.md"))
     reports = [r for r in reports if r.stat().st_ino != given_input.stat().st_ino and r != table]
     assert {line["request_id"] for line in map(json.loads, table.read_text().splitlines())} == set(ids)
+    minimal_ids = [line["generate_response"]["request_id"] for line in map(json.loads, (work / "minimal.json").read_text().splitlines())]
+    assert sorted(minimal_ids) == sorted(f"{i}~{KIND}" for i in ids)
     assert len(reports) == len(ids)
     seen = set()
     for report in reports:
