@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
 from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization
 from .config import RenderConfig
