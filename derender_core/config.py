@@ -85,7 +85,9 @@ class RenderConfig:
             return cls()
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of flag names to values")
-        return cls.from_mapping(loaded, origin=str(path))
+        config = cls.from_mapping(loaded, origin=str(path))
+        _CONFIG_DIRS[:] = [path.resolve().parent, *_CONFIG_DIRS[: _CONFIG_DIRS_KEPT - 1]]
+        return config
 
     def overridden_by(self, overrides: Mapping[str, Any]) -> RenderConfig:
         """Apply command-line values; None means the flag was not given."""
@@ -144,15 +146,50 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 """``owner/name``, as Hub repository ids are spelled."""
 
 
+_CONFIG_DIRS: list[Path] = []
+"""The directories of the last config files read, newest first: where a
+relative model path that is not found may have been meant to start
+(`_where_meant`)."""
+_CONFIG_DIRS_KEPT = 4
+
+
+def _where_meant(value: str) -> Path | None:
+    """The directory a relative `value` names from a config file's folder
+    or one above it, the way a path written beside a YAML file reads."""
+    if Path(value).is_absolute():
+        return None
+    for directory in _CONFIG_DIRS:
+        for base in (directory, *directory.parents):
+            if (base / value).is_dir():
+                return base / value
+    return None
+
+
+def _not_here(flag: str, value: str) -> str:
+    """What happened to a path that is not a directory: where it was
+    looked for, and why there."""
+    if Path(value).is_absolute():
+        return f"{flag} {value}: no such directory"
+    return (
+        f"{flag} {value}: no such directory: {Path.cwd() / value} (relative paths, a --config "
+        "file's too, are resolved against the current directory, as `vllm serve` resolves them)"
+    )
+
+
 def _local_dir(flag: str, value: str, revision: str | None) -> Path:
     if Path(value).is_dir():
         return Path(value)
+    meant = _where_meant(value)
+    if meant is not None:
+        base = meant.parents[len(Path(value).parts) - 1]
+        raise ConfigError(
+            f"{_not_here(flag, value)}. It names {meant} from {base}: run there, or give the path as {meant}."
+        )
     if not _HUB_ID.fullmatch(value) or ".." in value:
         raise ConfigError(
-            f"{flag} {value}: no such directory. The model must be a local directory "
-            "holding the tokenizer, config.json and generation_config.json (relative "
-            "paths are resolved against the current directory), or a Hub id (owner/name) "
-            "in the local Hugging Face cache."
+            f"{_not_here(flag, value)}. The model must be a local directory holding the tokenizer, "
+            "config.json and generation_config.json, or a Hub id (owner/name) in the local Hugging "
+            "Face cache."
         )
     # derender is offline: huggingface_hub reads this once, at import.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -165,9 +202,9 @@ def _local_dir(flag: str, value: str, revision: str | None) -> Path:
         at = f" at revision {revision}" if revision else ""
         fetch = f"huggingface-cli download {value}" + (f" --revision {revision}" if revision else "")
         raise ConfigError(
-            f"{flag} {value}: no such directory, and the Hub id {value}{at} is not in the local "
-            f"Hugging Face cache ({constants.HF_HUB_CACHE}); derender never downloads. "
-            f"Fetch it first with `{fetch}` (or set HF_HOME / HF_HUB_CACHE to the cache that has it)."
+            f"{_not_here(flag, value)}, and the Hub id {value}{at} is not in the local "
+            f"Hugging Face cache ({constants.HF_HUB_CACHE}); derender never downloads. If it is "
+            f"a Hub id, fetch it first with `{fetch}` (or set HF_HOME / HF_HUB_CACHE to the cache that has it)."
         ) from None
 
 

@@ -92,8 +92,30 @@ def test_config_file_must_exist_and_be_yaml(tmp_path: Path) -> None:
 def test_model_must_be_a_local_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no model given"):
         RenderConfig().check_paths()
-    with pytest.raises(ConfigError, match="--model Qwen/Qwen3-8B: no such directory, and the Hub id Qwen/Qwen3-8B is not in the local Hugging Face cache"):
+    with pytest.raises(ConfigError, match=r"--model Qwen/Qwen3-8B: no such directory: .*, and the Hub id Qwen/Qwen3-8B is not in the local Hugging Face cache"):
         RenderConfig(model="Qwen/Qwen3-8B").check_paths()
     with pytest.raises(ConfigError, match="--tokenizer"):
         RenderConfig(model=str(tmp_path), tokenizer=str(tmp_path / "tok")).check_paths()
     RenderConfig(model=str(tmp_path)).check_paths()
+
+
+def test_a_relative_model_path_from_elsewhere_says_where_it_was_looked_for(tmp_path: Path) -> None:
+    """Run from another directory, the sample's `model: sample_data/qwen3`
+    is looked for there, as `vllm serve --config` looks: the error says so,
+    names the directory the path names from the config file's side, and
+    suggests no download of a "Hub id" that is a path."""
+    from tests.helpers import REPO, run_cli
+
+    done = run_cli(
+        "chat", str(REPO / "sample_data" / "chat.jsonl"), "--config", str(REPO / "sample_data" / "qwen3.yaml"),
+        cwd=tmp_path, env={"DERENDER_NO_SERVER": "1"},
+    )  # fmt: skip
+    message = done.stderr.decode()
+    assert done.returncode == 2, message
+    assert message == (
+        f"derender: error: --model sample_data/qwen3: no such directory: {tmp_path / 'sample_data' / 'qwen3'} "
+        "(relative paths, a --config file's too, are resolved against the current directory, as `vllm serve` "
+        f"resolves them). It names {REPO / 'sample_data' / 'qwen3'} from {REPO}: run there, or give the path "
+        f"as {REPO / 'sample_data' / 'qwen3'}.\n"
+    )
+    assert "huggingface-cli" not in message

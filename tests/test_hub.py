@@ -69,5 +69,5 @@ def test_revisions_resolve_to_their_snapshot(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ConfigError, match=r"at revision v2 .*--revision v2"):
         RenderConfig(model=REPO_ID, revision="v2").check_paths()
     # A path that is no id stays a missing directory.
-    with pytest.raises(ConfigError, match="no/such/dir: no such directory. The model must be"):
+    with pytest.raises(ConfigError, match=r"no/such/dir: no such directory: .*no/such/dir \(relative paths.*\)\. The model must be"):
         RenderConfig(model="no/such/dir").check_paths()
