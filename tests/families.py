@@ -274,6 +274,36 @@ You SHOULD NOT include any other text in the response if you call a function. He
 {% endif -%}"""
 )
 
+# Granite 4.2: Granite's role markers; tools and calls in Qwen3-Coder's XML
+# shape; thinking on unless switched off, the generation prompt opening
+# <think>, and the template writing "\n</think>\n" after the thought.
+GRANITE42_CHAT_TEMPLATE = (
+    r"""{%- if tools -%}<|start_of_role|>system<|end_of_role|>You are a helpful assistant with access to the following tools.
+
+<tools>
+"""
+    + _TOOLS_JSON
+    + r"""</tools>
+
+For each tool call, reply in the following format:
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>value_1</parameter>
+</function>
+</tool_call><|end_of_text|>
+{% endif -%}
+{%- for message in messages -%}
+<|start_of_role|>{{ message.role }}<|end_of_role|>{{ message.content }}<|end_of_text|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|start_of_role|>assistant<|end_of_role|>
+{%- if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+{% else %}<think>
+{% endif -%}
+{%- endif -%}"""
+)
+
 # DeepSeek V3/R1: the R1 generation prompt opens <think>.
 DEEPSEEK_V3_CHAT_TEMPLATE = r"""{{- bos_token }}
 {%- for message in messages -%}
@@ -359,6 +389,12 @@ def gemma4_call(name: str, arguments: Mapping[str, Any], index: int) -> str:
 
 def qwen3_xml_call(name: str, arguments: Mapping[str, Any], index: int) -> str:
     body = "".join(f"<parameter={key}>\n{_raw(value)}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def granite42_call(name: str, arguments: Mapping[str, Any], index: int) -> str:
+    """Granite 4.2's XML call: each parameter's value inline."""
+    body = "".join(f"<parameter={key}>{_raw(value)}</parameter>\n" for key, value in arguments.items())
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
@@ -568,6 +604,31 @@ def build_olmo3(target: Path) -> Path:
     )
 
 
+# Granite 4's vocabulary is cl100k's ranks with 96 added tokens after them
+# (100,352 entries, OLMo 2's layout); no package here ships it, so the
+# family runs on OLMo 2's with Granite's role and end markers in OLMo's
+# chat-marker places, all special. <think> and <tool_call> are text, as the
+# Granite 4.2 parser reads them (by text where no single token spells them).
+GRANITE_MARKERS = {"<|endoftext|>": "<|end_of_text|>", "<|im_start|>": "<|start_of_role|>", "<|im_end|>": "<|end_of_role|>"}
+
+
+def build_granite42(target: Path) -> Path:
+    import splintr
+
+    ranks, specials = read_splintr("olmo2")
+    specials = [(token_id, GRANITE_MARKERS.get(content, content)) for token_id, content in specials]
+    return _tiktoken_model(
+        target,
+        ranks,
+        splintr.LLAMA3_PATTERN,
+        specials,
+        frozenset(),
+        {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>", "model_max_length": 131072, "chat_template": GRANITE42_CHAT_TEMPLATE},
+        {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 100352, "bos_token_id": 100257, "eos_token_id": 100257},
+        [100257],
+    )
+
+
 TEKKEN = "tekken_240911.json"
 
 
@@ -739,6 +800,11 @@ SPECS: dict[str, FamilySpec] = {
         _family(eos_id=1, reasoning=("", "</think>"), tool_call=dsml_call, thinking_off={"thinking": False},
                 tool_section=("\n\n<｜DSML｜function_calls>\n", "\n", "\n</｜DSML｜function_calls>")),
         default_chat_template_kwargs={"thinking": True},
+    ),
+    "granite42": FamilySpec(
+        build_granite42,
+        _family(eos_id=100257, reasoning=("", "\n</think>\n"), tool_call=granite42_call,
+                thinking_off={"enable_thinking": False}),
     ),
     "qwen3": FamilySpec(build_qwen3, qwen3_family),
     "deepseek_v4": FamilySpec(build_deepseek_v4, deepseek_v4_family),
