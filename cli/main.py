@@ -291,13 +291,17 @@ def parsers(
     Per parser: the model families it is tested on against a real render
     server (one-shot, streaming, live), the vLLM misbehaviour pinned by a
     test, and what it does with a plain answer on the bundled Qwen3 sample
-    (whether it at least loads and passes text through). Parsers registered
-    by this vLLM but not in the recorded data show as "not probed".
+    (whether it at least loads and passes text through), as recorded for
+    this vLLM release. Parsers registered by this vLLM but not in the
+    recorded data show as "not probed", and a vLLM with no data recorded
+    for it, or data recorded on another version of its release, is named
+    on stderr.
     """
     import json
     import warnings
 
-    from derender_core.coverage import markdown_table, table_rows
+    from derender_core.coverage import markdown_table, probe_note, table_rows
+    from derender_core.vllm_seam.versions import installed
 
     with warnings.catch_warnings():
         # Importing vLLM imports torch, whose deprecation and device warnings
@@ -306,6 +310,9 @@ def parsers(
         from derender_core.vllm_seam.stack import registered_parsers
 
         rows = table_rows(registered_parsers())
+    note = probe_note(installed())
+    if note is not None:
+        typer.echo(note, err=True)
     if output_format is opt.ParsersFormat.jsonl:
         for row in rows:
             typer.echo(json.dumps(row, ensure_ascii=False))
