@@ -6,7 +6,9 @@ it, so the start-up (imports, tokenizer, parsers) is paid once. A fork
 copies memory, not threads: the engine closes its event loop before the
 fork and runs vLLM's renderer work inline, so no thread is missing in a
 worker; `Derenderer.after_fork` is where a path that does hold threads
-would restore them.
+would restore them. The fork is multiprocessing's, less 3.13's clearing
+of the parent's exit callbacks in the child (`_ForkPopen`), which freed
+objects other libraries had left there (Ray's) and crashed the workers.
 
 Each worker runs a `RecordProcessor`, the same unit `batch.run` runs in
 process. One-shot records go in small batches to the least busy worker.
@@ -31,6 +33,9 @@ import functools
 import gc
 import io
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.popen_fork
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -170,7 +175,7 @@ class WorkerPool:
         gc.collect()
         gc.freeze()
         self._processes = [
-            context.Process(
+            _ForkProcess(
                 target=_work,
                 args=(index, engine, requests, self._inboxes[index], writers[index], os.getpid(), [*self._outboxes, *writers]),
                 name=f"derender-worker-{index}",
@@ -332,6 +337,48 @@ class WorkerPool:
             inbox.cancel_join_thread()
             inbox.close()
         gc.unfreeze()
+
+
+class _ForkPopen(multiprocessing.popen_fork.Popen):
+    """A fork start as Python 3.11 and 3.12 make it.
+
+    From 3.13, multiprocessing's fork start clears, in the child, the
+    atexit callbacks the parent had registered. Dropping them frees what
+    only they held: after ``ray.init`` (in a test session, a library user's
+    process), Ray's GCS client, whose destructor shuts down a gRPC
+    completion queue served by threads the child does not have, and the
+    worker dies of SIGSEGV before it answers. This child keeps them and
+    never runs them (it leaves by ``os._exit``), so it frees nothing it did
+    not make; multiprocessing's own exit work still runs."""
+
+    def _launch(self, process_obj: Any) -> None:
+        code = 1
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                code = process_obj._bootstrap(parent_sentinel=child_r)
+                if sys.version_info >= (3, 13):
+                    # 3.13's _bootstrap leaves this to the atexit it cleared.
+                    multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+            finally:
+                os._exit(code)
+        else:
+            os.close(child_w)
+            os.close(child_r)
+            self.finalizer = multiprocessing.util.Finalize(self, multiprocessing.util.close_fds, (parent_r, parent_w))
+            self.sentinel = parent_r
+
+
+class _ForkProcess(multiprocessing.context.ForkProcess):
+    """A worker process started by `_ForkPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ForkPopen:
+        return _ForkPopen(process_obj)
 
 
 def _work(

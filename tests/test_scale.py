@@ -8,6 +8,7 @@ Normalised, as everywhere, are only `created` and the random tool-call ids.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import io
 import json
@@ -20,6 +21,7 @@ import sys
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,50 @@ def test_a_pool_left_with_answers_unread_closes_with_its_workers_exiting(qwen3_s
     finally:
         pool.close()
     assert [process.exitcode for process in pool._processes] == [0, 0]
+
+
+class _FreedInAChildCrashes:
+    """Stands for what Ray's GCS client is after ``ray.init``: held only by
+    an exit callback, and fatal to free in a forked child (its destructor
+    shuts down a gRPC queue served by threads the child lacks)."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+
+@dataclass(frozen=True)
+class _ExitCallback:
+    """An exit callback that holds `held` and is equal to any other of its
+    `name`: unregistered without the test keeping a reference to it."""
+
+    name: str
+    held: object = field(default=None, compare=False)
+
+    def __call__(self) -> None:
+        pass
+
+
+def test_workers_free_nothing_the_parents_exit_callbacks_hold(qwen3_stack: Stack) -> None:
+    """Issue 37: on Python 3.13 multiprocessing's fork start clears the
+    parent's atexit callbacks in each child, which freed what only they
+    held; in a process that had run Ray (a test session, a library user)
+    every worker died of SIGSEGV. Workers keep the callbacks, unrun, on
+    every Python."""
+    # Nothing here keeps a reference to it: only the exit callback does.
+    atexit.register(_ExitCallback("issue 37", _FreedInAChildCrashes()))
+    try:
+        lines = [orjson.dumps(body) for body in chat_bodies(qwen3_stack.builder)] * 50
+        expected, _ = derendered(qwen3_stack.engine, Job(Endpoint.CHAT), lines)
+        with WorkerPool(qwen3_stack.engine, 2) as pool:
+            got, _ = derendered(qwen3_stack.engine, Job(Endpoint.CHAT), lines, pool=pool)
+        assert normalized_bytes(got) == normalized_bytes(expected)
+        assert [process.exitcode for process in pool._processes] == [0, 0]
+    finally:
+        atexit.unregister(_ExitCallback("issue 37"))
 
 
 @pytest.mark.parametrize("how", ["killed", "failed", "cut"])
