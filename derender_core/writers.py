@@ -9,8 +9,6 @@ streams still open are held in memory.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generic, Protocol, TypeVar
 import orjson
 
 from .errors import StreamFailure
+from .naming import Names
 from .protocol import Answer, Endpoint
 from .streams import ChunkFacts
 
@@ -27,9 +26,6 @@ if TYPE_CHECKING:
     from .records import Record
 
 SSE_DONE = b"data: [DONE]\n\n"
-_MAX_STEM = 200
-"""Longest file name stem for a request's transcript: with a ``-N``
-suffix and ``.sse`` it stays well under the usual 255-byte limit."""
 Group = TypeVar("Group")
 
 
@@ -130,9 +126,10 @@ class SseWriter(_GroupedWriter[list[bytes]]):
     server sends mid-stream.
 
     To one stream, transcripts follow one another. To a directory, each
-    request gets ``<request_id>.sse``, the id escaped (`transcript_stem`),
-    or ``<request_id>-N.sse`` where that name is taken: by another request,
-    or, as `taken` says, by one of the run's inputs or other outputs.
+    request gets its id's file name (`naming.file_stem`: a readable prefix
+    and a digest of the exact id) with ``.sse``, or ``-N.sse`` where that
+    name is taken: by another request, or, as `taken` says, by one of the
+    run's inputs or other outputs.
     """
 
     def __init__(
@@ -148,6 +145,7 @@ class SseWriter(_GroupedWriter[list[bytes]]):
         self._directory = directory
         self._taken = taken
         self._file_names: dict[str | None, str] = {}
+        self._names: Names | None = None
         self._files_written = 0
 
     def _start(self, request_id: str | None) -> list[bytes]:
@@ -181,39 +179,16 @@ class SseWriter(_GroupedWriter[list[bytes]]):
 
     def _file_name(self, request_id: str | None) -> str:
         if request_id not in self._file_names:
-            stem = transcript_stem(request_id)
-            if len(stem) > _MAX_STEM:
-                # File names are limited to 255 bytes: keep the start of a
-                # long id and a digest of all of it, so names stay distinct.
-                digest = hashlib.sha256((request_id or "").encode()).hexdigest()[:16]
-                stem = f"{stem[: _MAX_STEM - 17]}-{digest}"
-            taken = set(self._file_names.values())
-            name, suffix = f"{stem}.sse", 2
-            while name in taken or self._claimed(name):
-                name, suffix = f"{stem}-{suffix}.sse", suffix + 1
-            self._file_names[request_id] = name
+            assert self._directory is not None
+            if self._names is None:
+                claimed = self._taken
+                self._names = Names(self._directory, [".sse"], None if claimed is None else lambda p: claimed(Path(p)))
+            self._file_names[request_id] = self._names.take(request_id) + ".sse"
         return self._file_names[request_id]
-
-    def _claimed(self, name: str) -> bool:
-        """Whether the run's input or another of its outputs is that file."""
-        return self._taken is not None and self._directory is not None and bool(self._taken(self._directory / name))
 
     def _finish(self) -> None:
         if self._target is not None:
             self._target.flush()
-
-
-def transcript_stem(request_id: str | None) -> str:
-    """A request id as a file name stem, escaped visibly and reversibly:
-    every byte outside ``A-Z a-z 0-9 . _ -`` becomes ``%XX`` (as in a URL),
-    and so does a leading ``.`` or ``-``, so no id makes a hidden file, a
-    name that reads as an option, or two ids one name."""
-    escaped = re.sub(
-        rb"[^A-Za-z0-9._-]", lambda match: b"%%%02X" % match.group()[0], (request_id or "").encode()
-    ).decode("ascii")
-    if escaped[:1] in (".", "-"):
-        escaped = f"%{ord(escaped[0]):02X}{escaped[1:]}"
-    return escaped or "no-request-id"
 
 
 @dataclass

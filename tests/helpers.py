@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from derender_core import DerenderEngine, Endpoint, RenderConfig, Report
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
+from derender_core.vllm_seam import versions
 from derender_core.writers import JsonlWriter, Writer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,6 +69,25 @@ def _mistral_id(value: Any) -> Any:
     if isinstance(value, str) and _MISTRAL_TOOL_ID.fullmatch(value):
         return "<mistral-id>"
     return value
+
+
+def requires_fast(*paths: str) -> pytest.MarkDecorator:
+    """Mark a test of fast paths `paths` (`versions.PROVEN`'s names): it
+    runs where each is proven on the installed vLLM and on, and skips,
+    saying why, where derender runs vLLM's own code in their place (a
+    release they were not proven on, or ``DERENDER_FAST_PATHS=off``)."""
+    unknown = [path for path in paths if path not in versions.PROVEN]
+    if unknown or not paths:
+        raise ValueError(f"not fast paths: {unknown or paths}; known: {', '.join(versions.PROVEN)}")
+    off = [path for path in paths if not versions.proven(path)]
+    why = "; ".join(
+        f"fast path {path} is proven on vLLM {', '.join(versions.PROVEN[path])}, "
+        f"off on {versions.installed() or '(none)'}"
+        for path in off
+    )
+    if os.environ.get(versions.OFF_ENV, "").strip().lower() == "off":
+        why = f"{versions.OFF_ENV}=off turns off fast path {', '.join(off)}"
+    return pytest.mark.skipif(bool(off), reason=f"{why}: derender runs vLLM's own code, no fast path to test")
 
 
 def read_jsonl(path: Path) -> list[Any]:
@@ -342,3 +363,17 @@ def count_lane_calls(monkeypatch: Any) -> list[bool]:
 
     monkeypatch.setattr(ChunkLane, "answer", counted)
     return taken
+
+
+def transcript_name(request_id: str | None) -> str:
+    """The file a request's transcript gets under ``-o DIR/``, by the rule
+    docs/streams.md states: the id with every character outside
+    ``A-Z a-z 0-9 . _ ~ -`` made ``_`` (80 at most, without leading ``.``,
+    ``-`` or ``~``; ``id`` if nothing is left), ``-``, the first 12 hex
+    digits of the SHA-256 of the id's JSON text (ASCII), ``.sse``."""
+    import hashlib
+    import json as _json
+
+    prefix = re.sub(r"[^A-Za-z0-9._~-]+", "_", request_id or "")[:80].lstrip(".-~") or "id"
+    digest = hashlib.sha256(_json.dumps(request_id, ensure_ascii=True).encode("ascii")).hexdigest()[:12]
+    return f"{prefix}-{digest}.sse"

@@ -30,6 +30,7 @@ from tests.helpers import (
     read_jsonl,
     run_cli,
     server_stream_answers,
+    transcript_name,
 )
 from tests.sample_inputs import SampleBuilder, completion_stream_plans, qwen3_family, stream_bodies
 
@@ -172,9 +173,9 @@ def test_bare_generate_response_without_requests_is_an_error_record(cli: CliRunn
 def test_sse_to_a_directory(cli: CliRunner, tmp_path: Path) -> None:
     result = invoke(cli, "stream", "sample_data/stream.jsonl", "--format", "sse", "-o", f"{tmp_path}/sse/", *SAMPLE_FLAGS)
     assert result.exit_code == 0
-    assert sorted(p.name for p in (tmp_path / "sse").iterdir()) == [
-        "stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse",
-    ]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "sse").iterdir()) == sorted(
+        transcript_name(rid) for rid in ("stream-n2", "stream-speculative-unicode", "stream-tool-call")
+    )
 
 
 def test_assembled_completion_stream(cli: CliRunner, tmp_path: Path) -> None:

@@ -35,7 +35,16 @@ from typer.testing import CliRunner
 
 from derender_core import DerenderEngine, RenderConfig
 from tests.conftest import sample_config
-from tests.helpers import REPO, SAMPLE, invoke, normalize, offline_env, read_jsonl, run_cli
+from tests.helpers import (
+    REPO,
+    SAMPLE,
+    invoke,
+    normalize,
+    offline_env,
+    read_jsonl,
+    run_cli,
+    transcript_name,
+)
 
 FLAGS = ["--config", "sample_data/qwen3.yaml"]
 CHAT = read_jsonl(SAMPLE / "chat.jsonl")
@@ -403,7 +412,7 @@ def test_workers_die_with_their_parent_even_mid_batch(tmp_path: Path) -> None:
     assert time.monotonic() - killed < 2, "the workers outlived their parent"
 
 
-def test_request_ids_that_would_make_odd_file_names_are_escaped_visibly(tmp_path: Path) -> None:
+def test_request_ids_that_would_make_odd_file_names_get_safe_distinct_names(tmp_path: Path) -> None:
     stream = read_jsonl(SAMPLE / "stream.jsonl")
     ids = sorted({body["generate_chunk"]["request_id"] for body in stream})
     odd = dict(zip(ids, [".hidden", "-rf", "a/b c%"], strict=True))
@@ -411,7 +420,10 @@ def test_request_ids_that_would_make_odd_file_names_are_escaped_visibly(tmp_path
         body["generate_chunk"]["request_id"] = odd[body["generate_chunk"]["request_id"]]
     done = run_cli("stream", "-", "--format", "sse", "-o", f"{tmp_path}/sse/", *FLAGS, stdin=jsonl(stream))
     assert done.returncode == 0, stderr_of(done)
-    assert sorted(p.name for p in (tmp_path / "sse").iterdir()) == ["%2Drf.sse", "%2Ehidden.sse", "a%2Fb%20c%25.sse"]
+    names = sorted(p.name for p in (tmp_path / "sse").iterdir())
+    assert names == sorted(transcript_name(rid) for rid in odd.values())
+    # No hidden file, nothing that reads as an option, nothing outside DIR.
+    assert [name[:2] for name in names] == ["a_", "hi", "rf"]
 
 
 def test_diff_of_files_without_answers_says_so(tmp_path: Path) -> None:

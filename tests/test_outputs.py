@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from derender_core import InputError, RenderConfig
 from derender_core.jobs import config_files
 from derender_core.outputs import RunPaths
-from tests.helpers import REPO, SAMPLE, run_cli
+from tests.helpers import REPO, SAMPLE, run_cli, transcript_name
 
 FLAGS = ["--config", "sample_data/qwen3.yaml"]
 DERENDER = str(Path(sys.executable).with_name("derender"))
@@ -338,14 +338,15 @@ def test_per_request_transcripts_never_replace_an_input(tmp_path: Path) -> None:
     another name."""
     out = tmp_path / "out"
     out.mkdir()
-    source = out / "stream-n2.sse"  # the transcript name of request "stream-n2"
+    source = out / transcript_name("stream-n2")  # request "stream-n2"'s transcript
     shutil.copy(SAMPLE / "stream.jsonl", source)
     done = derender("stream", str(source), *FLAGS, "-j", "1", "--format", "sse", "-o", f"{out}/")
     assert done.returncode == 0, done.stderr.decode()
     assert source.read_bytes() == (SAMPLE / "stream.jsonl").read_bytes()
     names = sorted(path.name for path in out.iterdir())
-    assert names == ["stream-n2-2.sse", "stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
-    assert (out / "stream-n2-2.sse").read_bytes().endswith(b"data: [DONE]\n\n")
+    second = transcript_name("stream-n2").removesuffix(".sse") + "-2.sse"
+    assert names == sorted([second, source.name, transcript_name("stream-speculative-unicode"), transcript_name("stream-tool-call")])
+    assert (out / second).read_bytes().endswith(b"data: [DONE]\n\n")
 
 
 # --- after a full disk: the count of records written in full -------------------------------

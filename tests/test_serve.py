@@ -38,7 +38,15 @@ from derender_core.vllm_seam.stack import prepare_environment
 from derender_core.vllm_seam.versions import installed
 from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests.conftest import ServeStack, Stack
-from tests.helpers import SAMPLE, jsonl_answers, normalize, normalized_bytes, run_cli, run_lines
+from tests.helpers import (
+    SAMPLE,
+    jsonl_answers,
+    normalize,
+    normalized_bytes,
+    run_cli,
+    run_lines,
+    transcript_name,
+)
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
@@ -157,7 +165,7 @@ def test_streams_equal_vllm_serve_sse(qwen3_serve: ServeStack, endpoint: Endpoin
             stream_steps(generate_chunks(plan)),
         )
         assert http.status_code == 200
-        ours = (tmp_path / f"{plan.request_id}.sse").read_bytes()
+        ours = (tmp_path / transcript_name(plan.request_id)).read_bytes()
         assert normalized_bytes(ours) == normalized_bytes(http.content), plan.request_id
 
 
@@ -368,7 +376,7 @@ def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Pat
     bodies = [json.loads(line) for line in (SAMPLE / "stream.jsonl").read_text().splitlines()]
     run_lines(qwen3_serve.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(x) for x in bodies], SseWriter(out))
     ours = sorted(p.name for p in tmp_path.iterdir())
-    assert ours == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
+    assert ours == sorted(transcript_name(r) for r in ("stream-n2", "stream-speculative-unicode", "stream-tool-call"))
     # serve's fingerprint hashes its config, model path as given included.
     fingerprint = re.compile(rb'"system_fingerprint":"vllm-' + re.escape(installed().encode()) + rb'-[0-9a-f]{8}"')
     in_process = fingerprint.sub(b"", normalized_bytes(out.getvalue()))
