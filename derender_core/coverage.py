@@ -309,6 +309,13 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     _cut("llama3", "llama3_json", "no call"),
     _stripped("granite42", "granite_toolcall_parser"),
     _cut("granite42", "granite_toolcall_parser", "`{}`"),
+    KnownIssue(
+        "granite42",
+        ("reasoning", "granite_thinking_parser"),
+        "`vllm serve` only: no text between the thought and the calls, its stream's usage counts fewer "
+        "reasoning tokens than its one-shot answer",
+        _PINS + "test_parity_on_every_family",
+    ),
 )
 
 
