@@ -173,7 +173,10 @@ OPTIONAL = {
     ),  # fmt: skip
     # Lists up to past VLLM_MAX_STOP_STRINGS (4 unless set), which the
     # model reads from vLLM's env as it is imported.
-    "stop": st.one_of(st.lists(st.text(max_size=3), max_size=10), st.text(max_size=3), ODD, st.just(["a", 1])),
+    "stop": st.one_of(
+        st.lists(st.text(max_size=3), max_size=10), st.lists(st.text(max_size=2), min_size=3, max_size=9),
+        st.text(max_size=3), ODD, st.just(["a", 1]),
+    ),  # fmt: skip
     "cache_salt": st.one_of(st.just("salt"), st.just("")),
     "stream_options": st.just({"include_usage": True}),
     "unknown_field": ODD,
@@ -330,6 +333,21 @@ def test_the_stop_list_limit_is_the_one_vllm_reads_from_its_env(limit: int, stop
     assert len(seen) == len(stops)
     for length, built, validated in seen:
         assert built == validated == (length <= limit), (limit, length, built, validated)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(usual_requests(), st.lists(st.text(max_size=3), max_size=10))
+def test_a_usual_request_with_stop_strings_is_built_where_validation_takes_it(raw: dict[str, Any], stop: list[str]) -> None:
+    """A usual request with a drawn stop list is built exactly where vLLM's
+    validation accepts it: not past VLLM_MAX_STOP_STRINGS (issue 31 case 18)."""
+    raw["stop"] = stop
+    try:
+        ChatCompletionRequest.model_validate(copy.deepcopy(raw))
+        accepted = True
+    except Exception:  # noqa: BLE001 - any refusal
+        accepted = False
+    event(f"{len(stop)} stop strings, {'accepted' if accepted else 'refused'}")
+    assert (check(raw) is not None) == accepted
 
 
 @pytest.mark.parametrize("past", [0, 1, 4])
