@@ -586,20 +586,31 @@ def build_qwen36(target: Path) -> Path:
     )
 
 
-def build_olmo3(target: Path) -> Path:
-    """Olmo 3 on splintr's OLMo-2 vocabulary (cl100k ranks, Llama 3's
-    split, OLMo's markers); <think> is plain text there."""
+def _olmo2_vocabulary(
+    target: Path,
+    markers: Mapping[str, str],
+    tokenizer_config: dict[str, Any],
+    config: dict[str, Any],
+    eos_ids: list[int],
+) -> Path:
+    """A model on splintr's OLMo-2 vocabulary (cl100k ranks, Llama 3's
+    split, 100,352 entries), its special tokens all special, each renamed
+    as `markers` says."""
     import splintr
 
     ranks, specials = read_splintr("olmo2")
-    return _tiktoken_model(
+    specials = [(token_id, markers.get(content, content)) for token_id, content in specials]
+    config = {"vocab_size": 100352, **config}
+    return _tiktoken_model(target, ranks, splintr.LLAMA3_PATTERN, specials, frozenset(), tokenizer_config, config, eos_ids)
+
+
+def build_olmo3(target: Path) -> Path:
+    """Olmo 3 on OLMo 2's vocabulary and markers; <think> is plain text there."""
+    return _olmo2_vocabulary(
         target,
-        ranks,
-        splintr.LLAMA3_PATTERN,
-        specials,
-        frozenset(),
+        {},
         {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "model_max_length": 65536, "chat_template": OLMO3_CHAT_TEMPLATE},
-        {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": 100352, "eos_token_id": 100257},
+        {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "eos_token_id": 100257},
         [100257, 100265],
     )
 
@@ -613,18 +624,11 @@ GRANITE_MARKERS = {"<|endoftext|>": "<|end_of_text|>", "<|im_start|>": "<|start_
 
 
 def build_granite42(target: Path) -> Path:
-    import splintr
-
-    ranks, specials = read_splintr("olmo2")
-    specials = [(token_id, GRANITE_MARKERS.get(content, content)) for token_id, content in specials]
-    return _tiktoken_model(
+    return _olmo2_vocabulary(
         target,
-        ranks,
-        splintr.LLAMA3_PATTERN,
-        specials,
-        frozenset(),
+        GRANITE_MARKERS,
         {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>", "model_max_length": 131072, "chat_template": GRANITE42_CHAT_TEMPLATE},
-        {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 100352, "bos_token_id": 100257, "eos_token_id": 100257},
+        {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "bos_token_id": 100257, "eos_token_id": 100257},
         [100257],
     )
 
