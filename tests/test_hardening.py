@@ -40,6 +40,7 @@ from tests.helpers import (
     server_stream_answers,
     slow_pipe,
 )
+from tests.render_corpus import drawn_ids_blanked
 
 FLAGS = ["--config", "sample_data/qwen3.yaml"]
 CHAT = read_jsonl(SAMPLE / "chat.jsonl")
@@ -172,7 +173,9 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     "wrong-model": (orjson.dumps(edited(CHAT[2], "model", "gpt-5")), "The model `gpt-5` does not exist"),
     "null-token-ids-in-one-choice": (orjson.dumps(edited(CHAT[1], f"{GR}.choices.1.token_ids", None)), "choice 1 has empty or null token_ids"),
     "unknown-field-vllm-rejects": (orjson.dumps(edited(CHAT[2], "chat_request.structured_outputs", {"bogus": 1})), "structured outputs"),
-    "deeply-nested": (b'{"model": ' + b"[" * 3000 + b"]" * 3000 + b"}", "There was an error parsing the body"),
+    # Beyond every Python's json (3.13's reads 10,000 levels); depths some
+    # read: test_deep_values_get_the_servers_answer_through_workers.
+    "deeply-nested": (b'{"model": ' + b"[" * 12000 + b"]" * 12000 + b"}", "There was an error parsing the body"),
     "huge-integer": (b'{"prompt_tokens": ' + b"7" * 4400 + b"}", "There was an error parsing the body"),
 }  # fmt: skip
 
@@ -206,6 +209,57 @@ def test_every_bad_record_gets_an_aligned_error_record(cli: CliRunner, qwen3_sta
     details = {e["line"]: e.get("detail") for e in logged}
     assert "nested too deeply" in details[2 + 3 * list(BAD_RECORDS).index("deeply-nested")]
     assert "4300 digits" in details[2 + 3 * list(BAD_RECORDS).index("huge-integer")]
+
+
+DEEP_LEVELS = (900, 1100, 4000, 12000)
+"""Deep enough for each Python's limits to tell apart: orjson reads 1,024
+levels, Python's json about 1,000 on 3.11, 1,500 on 3.12 and 10,000 on
+3.13, and the C pickler about 500, 750 and 5,000."""
+_DEEP = b'"<deep>"'
+
+
+def _deep_lines(body: dict[str, Any], inner: str) -> list[bytes]:
+    """`body` with a list nested at each of `DEEP_LEVELS` in three places:
+    the model, an extra field, and an extra field of its `inner` object."""
+    spots = [edited(body, "model", "<deep>"), {**body, "deep_extra": "<deep>"}, edited(body, f"{inner}.deep_extra", "<deep>")]
+    return [
+        orjson.dumps(spot).replace(_DEEP, b"[" * depth + b"]" * depth)
+        for depth in DEEP_LEVELS
+        for spot in spots
+    ]
+
+
+@pytest.mark.parametrize("command", ["chat", "completion", "stream", "render chat"])
+def test_deep_values_get_the_servers_answer_through_workers(cli: CliRunner, qwen3_stack: Stack, command: str) -> None:
+    """A value nested as deep as any Python's parser reads, or deeper, in
+    the model, an extra field or a nested one, between good records, with
+    two workers: each line gets what the render server running on this
+    same Python answers it (issue 37: on 3.12 the parent could not pickle
+    such a record for its worker and the run ended with exit 3)."""
+    if command == "stream":
+        # Each a stream of its own, first call: the server needs no state.
+        first = edited(STREAM[0], "generate_chunk.request_id", "deep")
+        deep = [line.replace(b'"deep"', f'"deep-{k}"'.encode(), 1) for k, line in enumerate(_deep_lines(first, "generate_chunk"))]
+        good, endpoint = orjson.dumps(STREAM[0]), Endpoint.CHAT
+    elif command == "render chat":
+        body = {"model": "qwen3-sample", "messages": [{"role": "user", "content": "Hi"}]}
+        deep, good, endpoint = _deep_lines(body, "messages.0"), orjson.dumps(body), Endpoint.RENDER_CHAT
+    else:
+        body = read_jsonl(SAMPLE / f"{command}.jsonl")[0]
+        endpoint = Endpoint.CHAT if command == "chat" else Endpoint.COMPLETION
+        inner = "generate_response" if "generate_response" in body else "generate_responses.0"
+        deep, good = _deep_lines(body, inner), orjson.dumps(body)
+    lines = [line for deep_line in deep for line in (good, deep_line)] + [good]
+    result = invoke(cli, *command.split(), "-", "--workers", "2", *FLAGS, stdin=b"\n".join(lines) + b"\n")
+    assert result.exit_code in (0, 1), result.stderr
+    assert "Traceback" not in result.stderr
+    got = result.stdout_bytes.splitlines()
+    assert len(got) == len(lines)
+    for number, (line, answer) in enumerate(zip(lines, got, strict=True), 1):
+        if line is good and command == "stream":
+            continue  # later calls of one stream, with the state derender threads
+        expected = qwen3_stack.server.post_raw(endpoint, line).content
+        assert drawn_ids_blanked(normalized_bytes(answer)) == drawn_ids_blanked(normalized_bytes(expected)), f"line {number}"
 
 
 def test_an_inconsistent_stream_state_fails_one_call_and_the_streams_go_on(cli: CliRunner, qwen3_stack: Stack) -> None:
@@ -283,7 +337,7 @@ def test_a_bug_outside_records_ends_the_run_with_exit_3_not_1(cli: CliRunner, mo
 
 
 def test_hostile_lines_in_the_requests_file_are_a_usage_error(cli: CliRunner, tmp_path: Path) -> None:
-    for name, line in (("deep", b"[" * 3000 + b"]" * 3000), ("huge", b'{"request_id": "a", "n": ' + b"1" * 5000 + b"}")):
+    for name, line in (("deep", b"[" * 12000 + b"]" * 12000), ("huge", b'{"request_id": "a", "n": ' + b"1" * 5000 + b"}")):
         requests = tmp_path / f"{name}.jsonl"
         requests.write_bytes((SAMPLE / "requests.jsonl").read_bytes() + line + b"\n")
         result = invoke(cli, "stream", "sample_data/generate_capture.sse", "--requests", str(requests), *FLAGS)
