@@ -27,10 +27,12 @@ from hypothesis import strategies as st
 from derender_core import DerenderEngine, Endpoint
 from derender_core.logs import collected_vllm_logs
 from tests.conftest import sample_config
-from tests.helpers import normalized_bytes
+from tests.helpers import normalized_bytes, requires_fast
 from tests.sample_inputs import SampleBuilder, chat_bodies, completion_bodies, qwen3_family
 
 Corpus = list[tuple[Endpoint, dict[str, Any]]]
+
+pytestmark = requires_fast("decode", "responses")
 
 
 @pytest.fixture(scope="module")

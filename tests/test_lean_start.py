@@ -23,7 +23,7 @@ import pytest
 from derender_core import DerenderEngine
 from tests.conftest import sample_config
 from tests.families import SPECS
-from tests.helpers import REPO, offline_env
+from tests.helpers import REPO, offline_env, requires_fast
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,7 @@ def sample_engine() -> DerenderEngine:
     engine.close()
 
 
+@requires_fast("startup")
 def test_the_renderer_is_built_without_the_tokenizer_pool(sample_engine: DerenderEngine) -> None:
     from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
 
@@ -52,6 +53,7 @@ def test_the_heap_is_frozen_after_the_build_and_the_collector_back_on(sample_eng
     assert gc.get_freeze_count() > 100_000
 
 
+@requires_fast("startup")
 def test_the_leading_space_marker_is_cached_at_build(sample_engine: DerenderEngine) -> None:
     from vllm.tokenizers.detokenizer_utils import _CACHED_MARKER_KEY
 
@@ -75,6 +77,7 @@ PRE_TOKENIZERS = {
 }
 
 
+@requires_fast("startup")
 @pytest.mark.parametrize("pre_tokenizer", PRE_TOKENIZERS)
 def test_the_cached_marker_is_the_one_vllm_computes(pre_tokenizer: str, tmp_path: Path) -> None:
     """On a real tokenizer (the sample's) with each kind of pre-tokenizer:
@@ -94,6 +97,7 @@ def test_the_cached_marker_is_the_one_vllm_computes(pre_tokenizer: str, tmp_path
     assert marker == {"metaspace": "\u2581", "sequence": "_"}.get(pre_tokenizer)
 
 
+@requires_fast("startup")
 @pytest.mark.parametrize("family", ["mistral"])
 def test_the_marker_of_a_tokenizer_without_a_backend(family: str, tmp_path: Path) -> None:
     """mistral_common's tekken tokenizer has no HF backend: nothing to cache."""
@@ -118,6 +122,7 @@ def assert_marker_as_vllms(model_dir: Path, mode: str) -> str | None:
     return expected
 
 
+@requires_fast("startup")
 def test_model_info_is_inspected_in_process_and_cached(tmp_path: Path) -> None:
     """With an empty vLLM cache (the first run after install), the build
     starts no subprocess to inspect the model class, and leaves vLLM's

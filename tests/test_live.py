@@ -27,7 +27,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, RecordProcessor
 from derender_core.records import Record
 from tests.conftest import Stack
-from tests.helpers import jsonl_answers, normalize, server_stream_answers
+from tests.helpers import jsonl_answers, normalize, requires_fast, server_stream_answers
 from tests.sample_inputs import (
     WEATHER_TOOL,
     StreamPlan,
@@ -82,6 +82,7 @@ def deltas(answers: list[Any], field: str) -> list[Any]:
     ]
 
 
+@requires_fast("live")
 def test_chat_streams_live_equal_replay(stack: Stack) -> None:
     bodies = chat_corpus(stack)
     live = assert_live_equals_replay(stack.engine, Endpoint.CHAT, bodies)
@@ -95,12 +96,14 @@ def test_chat_streams_live_equal_replay(stack: Stack) -> None:
     assert with_logprobs
 
 
+@requires_fast("live")
 def test_completion_streams_live_equal_replay(stack: Stack) -> None:
     bodies = stream_bodies(stack.builder, completion_stream_plans(stack.builder))
     live = assert_live_equals_replay(stack.engine, Endpoint.COMPLETION, bodies)
     assert all("error" not in answer for answer in live)
 
 
+@requires_fast("live")
 def test_live_steps_each_chunk_once(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     """Live mode steps the parser once per chunk; replay steps the whole
     history again on every call."""
@@ -127,6 +130,7 @@ def test_live_steps_each_chunk_once(qwen3_stack: Stack, monkeypatch: pytest.Monk
     assert steps == chunks * (chunks + 1) // 2 + chunks
 
 
+@requires_fast("live")
 def test_live_state_is_freed_when_its_stream_completes(qwen3_stack: Stack) -> None:
     plan = stream_plans(qwen3_stack.builder)[0]
     bodies = stream_bodies(qwen3_stack.builder, [plan])
@@ -206,6 +210,7 @@ def chunking_texts(stack: Stack) -> Iterator[list[str]]:
     ]
 
 
+@requires_fast("live")
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.data(),

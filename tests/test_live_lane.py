@@ -30,7 +30,13 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job
 from derender_core.writers import JsonlWriter, SseWriter
 from tests.conftest import Stack
-from tests.helpers import count_lane_calls, jsonl_answers, normalized_bytes, run_lines
+from tests.helpers import (
+    count_lane_calls,
+    jsonl_answers,
+    normalized_bytes,
+    requires_fast,
+    run_lines,
+)
 from tests.sample_inputs import parser_corner_plans, stream_bodies, stream_plans
 
 JOB = Job(Endpoint.CHAT, stream=True)
@@ -65,6 +71,7 @@ def assert_lane_is_the_slow_path_and_replay(engine: DerenderEngine, bodies: list
     assert live == outputs(engine.in_mode(live=False), bodies, job)
 
 
+@requires_fast("live")
 def test_the_lane_gives_the_slow_paths_and_replays_bytes(qwen3_stack: Stack, lane_calls: list[bool]) -> None:
     """The corpus: n=2, unicode cut inside characters, tool calls, logprobs,
     finish-only tails, hidden reasoning, named and required tool choice."""
@@ -149,6 +156,7 @@ VARIATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+@requires_fast("live")
 @pytest.mark.parametrize("lenient", [False, True], ids=["checked", "lenient"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -166,6 +174,7 @@ def test_any_variation_of_a_call_is_answered_as_the_slow_path_and_replay_answer_
     assert_lane_is_the_slow_path_and_replay(qwen3_stack.engine, bodies, Job(Endpoint.CHAT, stream=True, lenient=lenient))
 
 
+@requires_fast("live")
 def test_a_request_equal_in_python_but_not_in_json_is_validated_anew(qwen3_stack: Stack, lane_calls: list[bool]) -> None:
     """``40000.0`` equals ``40000`` in Python; the lane and the reuse of a
     validated request tell them apart, by their JSON bytes."""
@@ -215,6 +224,7 @@ def test_a_prompt_that_passed_is_not_checked_again_but_any_other_is(qwen3_stack:
 texts = st.none() | st.text() | st.text(st.characters(codec=None, categories=["Cs", "Cc", "Zl", "Zp"]))
 
 
+@requires_fast("live")
 @settings(max_examples=300, deadline=None)
 @given(role=st.none() | st.just("assistant"), content=texts, reasoning=texts,
        request_id=st.text(), model=st.text(min_size=1), index=st.integers(0, 2**31), created=st.integers(0, 2**40))  # fmt: skip

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from derender_core import DerenderEngine, Endpoint
 from derender_core.vllm_seam.answers import json_answer, plain_json, plain_model
 from tests.conftest import sample_config
+from tests.helpers import requires_fast
 from tests.sample_inputs import SampleBuilder, chat_bodies, completion_bodies, qwen3_family
 
 
@@ -211,6 +212,7 @@ def engines() -> Iterator[tuple[DerenderEngine, SampleBuilder]]:
     engine.close()
 
 
+@requires_fast("decode", "responses")
 def test_common_answers_take_the_direct_writer_and_equal_the_reference_answers(
     engines: tuple[DerenderEngine, SampleBuilder],
 ) -> None:

@@ -1,7 +1,11 @@
 """SSE transcripts and assembled responses.
 
-Golden files pin the formats for the bundled sample; set UPDATE_GOLDEN=1 to
-rewrite them after an intended change. Assembled responses are compared with
+Golden files pin the formats for the bundled sample, one set per vLLM
+release (tests/golden/<major.minor>/: the answers in them are that
+release's); set UPDATE_GOLDEN=1 to write the installed release's after an
+intended change, or for a new release once its answers are proven equal to
+its server's (the stream's chunks here, the one-shot answers in the parity
+tests). Assembled responses are compared with
 one-shot derendering of the same tokens; where vLLM's streaming and one-shot
 paths disagree, the test states the difference instead of hiding it.
 """
@@ -20,9 +24,19 @@ import pytest
 from derender_core import Endpoint
 from derender_core.batch import Job
 from derender_core.protocol import DERENDER_ENDPOINTS
+from derender_core.vllm_seam import versions
 from derender_core.writers import AssembledWriter, SseWriter
 from tests.conftest import Stack
-from tests.helpers import SAMPLE, normalize, normalized_bytes, read_jsonl, run_lines
+from tests.helpers import (
+    SAMPLE,
+    jsonl_answers,
+    normalize,
+    normalized_bytes,
+    read_jsonl,
+    run_lines,
+    server_stream_answers,
+    transcript_name,
+)
 from tests.sample_inputs import (
     WEATHER_TOOL,
     SampleBuilder,
@@ -38,10 +52,12 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def check_golden(name: str, data: bytes) -> None:
-    path = GOLDEN / name
+    """Compare with (or write) the installed vLLM release's golden file."""
+    path = GOLDEN / release() / name
     if os.environ.get("UPDATE_GOLDEN"):
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(normalized_bytes(data))
+    assert path.exists(), f"no golden {name} for vLLM {versions.installed()}: see this module's docstring"
     assert normalized_bytes(data) == path.read_bytes()
 
 
@@ -62,6 +78,24 @@ def one_shot(stack: Stack, endpoint: Endpoint, plan: StreamPlan) -> dict[str, An
     answer = stack.engine.post(endpoint, one_shot_body(plan, stack.builder.family.served_name))
     assert answer.ok, answer.raw
     return answer.body
+
+
+def served(stack: Stack, plan: StreamPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A chat plan assembled from its stream, and its one-shot answer, once
+    derender's stream chunks and one-shot answer are checked to be the
+    installed vLLM's server's: a difference between the two is vLLM's."""
+    bodies = stream_bodies(stack.builder, [plan])
+    ours, _ = jsonl_answers(stack.engine, Job(Endpoint.CHAT, stream=True), [orjson.dumps(body) for body in bodies])
+    assert normalize(ours) == normalize([answer for _, answer in server_stream_answers(stack.server, Endpoint.CHAT, bodies)])
+    whole = one_shot(stack, Endpoint.CHAT, plan)
+    expected = stack.server.post(Endpoint.CHAT, one_shot_body(plan, stack.builder.family.served_name))
+    assert normalize(whole) == normalize(expected.json())
+    return assembled(stack, Endpoint.CHAT, [plan])[plan.request_id], whole
+
+
+def release() -> str:
+    """The installed vLLM's release, ``major.minor``."""
+    return ".".join(versions.installed().split(".")[:2])
 
 
 @pytest.mark.parametrize("endpoint", list(DERENDER_ENDPOINTS))
@@ -87,13 +121,13 @@ def _two_tool_calls_plan(b: SampleBuilder) -> StreamPlan:
 
 
 def test_streaming_and_one_shot_disagree_on_whitespace_before_tool_calls(qwen3_stack: Stack) -> None:
-    """Documented vLLM 0.33 difference (Qwen3 + hermes): with two tool calls
-    and no text, one-shot derender gives ``content: null`` while the stream
-    sends the blank line between ``</think>`` and ``<tool_call>`` as content.
-    Tool calls, reasoning and finish reason agree."""
+    """Documented vLLM difference, in 0.33 and 0.34 alike (Qwen3 + hermes):
+    with two tool calls and no text, one-shot derender gives ``content:
+    null`` while the stream sends the blank line between ``</think>`` and
+    ``<tool_call>`` as content. Tool calls, reasoning and finish reason
+    agree."""
     plan = _two_tool_calls_plan(qwen3_stack.builder)
-    streamed = normalize(assembled(qwen3_stack, Endpoint.CHAT, [plan])[plan.request_id])
-    whole = normalize(one_shot(qwen3_stack, Endpoint.CHAT, plan))
+    streamed, whole = map(normalize, served(qwen3_stack, plan))
     streamed_message = streamed["choices"][0]["message"]
     whole_message = whole["choices"][0]["message"]
     assert whole_message["content"] is None
@@ -105,14 +139,27 @@ def test_streaming_and_one_shot_disagree_on_whitespace_before_tool_calls(qwen3_s
 
 
 def test_sse_transcripts_golden(qwen3_stack: Stack) -> None:
+    bodies = read_jsonl(SAMPLE / "stream.jsonl")
     out = io.BytesIO()
-    run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=out))
+    run_stream(qwen3_stack, Endpoint.CHAT, bodies, SseWriter(target=out))
     data = out.getvalue()
-    check_golden("stream.sse", data)
     # Each request's transcript ends in [DONE]; every event is data + blank line.
     assert data.count(b"data: [DONE]\n\n") == 3
     events = [e for e in data.split(b"\n\n") if e]
     assert all(e.startswith(b"data: ") for e in events)
+    # Each transcript's events are the installed vLLM's server's chunks for
+    # that request, in order: what makes the golden file this release's.
+    served: dict[str, list[Any]] = {}
+    for body, (status, answer) in zip(bodies, server_stream_answers(qwen3_stack.server, Endpoint.CHAT, bodies), strict=True):
+        assert status == 200, answer
+        served.setdefault(body["generate_chunk"]["request_id"], []).append(answer["chunk"])
+    transcripts = [
+        [json.loads(event.removeprefix(b"data: ")) for event in transcript.split(b"\n\n") if event]
+        for transcript in data.split(b"data: [DONE]\n\n")
+        if transcript
+    ]
+    assert sorted(json.dumps(normalize(t)) for t in transcripts) == sorted(json.dumps(normalize(c)) for c in served.values())
+    check_golden("stream.sse", data)
 
 
 def test_sse_directory_holds_one_file_per_request(qwen3_stack: Stack, tmp_path: Path) -> None:
@@ -120,7 +167,7 @@ def test_sse_directory_holds_one_file_per_request(qwen3_stack: Stack, tmp_path: 
     for _ in range(2):
         run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(directory=tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["stream-n2.sse", "stream-speculative-unicode.sse", "stream-tool-call.sse"]
+    assert files == sorted(transcript_name(rid) for rid in ("stream-n2", "stream-speculative-unicode", "stream-tool-call"))
     together = io.BytesIO()
     run_stream(qwen3_stack, Endpoint.CHAT, read_jsonl(SAMPLE / "stream.jsonl"), SseWriter(target=together))
     for path in tmp_path.iterdir():
@@ -149,12 +196,13 @@ def test_failed_call_is_an_sse_error_event_and_the_assembled_error(qwen3_stack: 
     assert json.loads(out.getvalue())["error"]["code"] == 404
 
 
-def test_streaming_and_one_shot_disagree_on_text_before_a_llama3_tool_call(llama3_stack: Stack) -> None:
-    """Documented vLLM 0.33 difference (Llama 3.1 + llama3_json): when text
-    precedes the JSON tool call, one-shot derender extracts the call
-    (``finish_reason: tool_calls``), while the streaming parser, which
-    only looks for a call at the start of the output, streams it all as
-    content (``finish_reason: stop``)."""
+def test_text_before_a_llama3_tool_call(llama3_stack: Stack) -> None:
+    """Documented vLLM difference (Llama 3.1 + llama3_json), text before the
+    JSON tool call. In 0.33, one-shot derender extracts the call
+    (``finish_reason: tool_calls``), while the streaming parser, which only
+    looks for a call at the start of the output, streams it all as content
+    (``finish_reason: stop``). In 0.34 (``LlamaJsonEngineToolParser``), both
+    keep it all as content."""
     b = llama3_stack.builder
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     text = 'Checking now.\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -165,11 +213,16 @@ def test_streaming_and_one_shot_disagree_on_text_before_a_llama3_tool_call(llama
         choices=[chunks_of(b.encode(text) + [b.family.eos_id], [1])],
         usage=False,
     )
-    streamed = assembled(llama3_stack, Endpoint.CHAT, [plan])[plan.request_id]["choices"][0]
-    whole = one_shot(llama3_stack, Endpoint.CHAT, plan)["choices"][0]
-    assert whole["finish_reason"] == "tool_calls"
-    assert whole["message"]["content"] is None
-    assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    streamed, whole = (answer["choices"][0] for answer in served(llama3_stack, plan))
     assert streamed["finish_reason"] == "stop"
     assert "tool_calls" not in streamed["message"]
     assert streamed["message"]["content"] == text
+    assert release() in ("0.33", "0.34"), f"vLLM {versions.installed()}: document what this release does"
+    if release() == "0.33":
+        assert whole["finish_reason"] == "tool_calls"
+        assert whole["message"]["content"] is None
+        assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    else:
+        assert whole["finish_reason"] == "stop"
+        assert whole["message"]["content"] == text
+        assert not whole["message"].get("tool_calls")
