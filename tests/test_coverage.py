@@ -128,6 +128,10 @@ def test_each_release_table_shows_its_own_parsers() -> None:
         granite = {row["parser"]: row for row in tables["0.34.0"]}["granite_toolcall_parser"]
         assert (granite["family"], granite["one-shot"], granite["stream"], granite["live"]) == ("Granite 4.2", "yes", "yes", "yes")
         assert {row["parser"]: row for row in tables["0.34.0"]}["ripple"]["family"].startswith("untested: no ")
+        # llama3_json's one-shot no longer extracts a call after text on 0.34.
+        llama = {version: {row["parser"]: row for row in rows}["llama3_json"] for version, rows in tables.items()}
+        assert "one-shot extracts the call" in llama["0.33.0"]["known vLLM misbehaviour"]
+        assert "one-shot extracts the call" not in llama["0.34.0"]["known vLLM misbehaviour"]
 
 
 def test_every_known_issue_names_a_test_that_exists() -> None:

@@ -46,7 +46,7 @@ from derender_core.coverage import KNOWN_ISSUES, FamilyCase, decode_for, familie
 from derender_core.parity import Parity, requests_of
 from derender_core.prompts import PROMPT_MISSING
 from derender_core.records import Record
-from derender_core.vllm_seam.versions import proven
+from derender_core.vllm_seam.versions import installed, proven
 from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests import decode_proof
 from tests.conftest import EMPTY_TOKENIZER_CACHE, Stack
@@ -379,6 +379,16 @@ def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeyp
         assert _lexicon(info) == _lexicon(build(config, tokenizer))
 
 
+def release() -> str:
+    """The installed vLLM's release, ``major.minor``."""
+    return ".".join(installed().split(".")[:2])
+
+
+KEEPS_SEPARATE_CALLS_AS_TEXT = {("llama3", "0.34")}
+"""(family, release) whose one-shot parse keeps two calls on separate lines
+as content (`test_llama3_json_stream_drops_the_second_of_two_calls`)."""
+
+
 def test_one_shot_reads_what_the_model_wrote(family: Stack, run: Run) -> None:
     """The answers are the family's real parse, not errors or raw text:
     tool calls with their arguments, reasoning apart from the reply."""
@@ -396,7 +406,8 @@ def test_one_shot_reads_what_the_model_wrote(family: Stack, run: Run) -> None:
         assert called["content"].strip() == FAMILY_TEXT.strip()
 
     two = message(answers["family-two-tool-calls"])
-    assert [arguments(call) for call in two["tool_calls"]] == [PARIS_CALL[1], ROME_CALL[1]]
+    if (family.name, release()) not in KEEPS_SEPARATE_CALLS_AS_TEXT:
+        assert [arguments(call) for call in two["tool_calls"]] == [PARIS_CALL[1], ROME_CALL[1]]
 
     unicode = message(answers["family-unicode-arguments"])
     if family.name not in MANGLES_SPLIT_CHARACTERS:
@@ -477,7 +488,7 @@ def test_stream_assembles_to_the_one_shot_answer(family: Stack, run: Run) -> Non
         for plan in run.plans
         if normalize(run.assembled[plan.request_id]) != normalize(run.one_shot[plan.request_id])
     }
-    expected = {stream for issue in KNOWN_ISSUES if issue.case == family.name for stream in issue.streams}
+    expected = {stream for issue in KNOWN_ISSUES if issue.case == family.name and issue.holds_on(installed()) for stream in issue.streams}
     assert sorted(differing) == sorted(expected)
 
 
@@ -590,7 +601,8 @@ CUT_AT_LENGTH = {
     "pythonic": (None, '{"city": "Par'),
     "deepseek_v3": (DROPS_THE_CUT_CALL, '{"city": "Par'),
     "deepseek_v31": (DROPS_THE_CUT_CALL, '{"city": "Par'),
-    "llama3": (None, '{"city": "Par"}'),
+    # vLLM 0.33's llama3_json closes the cut arguments' JSON in the stream.
+    "llama3": (None, '{"city": "Par"}' if release() == "0.33" else '{"city": "Par'),
     "xlam": (None, ""),
     "granite42": ("{}", '{"city": "Par'),
 }
@@ -807,12 +819,20 @@ def test_deepseek_v31_stream_cuts_the_end_of_the_first_of_two_calls(family: Stac
 
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)
 def test_llama3_json_stream_drops_the_second_of_two_calls(family: Stack, run: Run) -> None:
-    """vLLM 0.33, llama3_json: two JSON calls on separate lines. One-shot
+    """llama3_json, two JSON calls on separate lines. vLLM 0.33: one-shot
     gives both; the stream sends only the first (vLLM logs an error for
-    the second)."""
+    the second). vLLM 0.34 (``LlamaJsonEngineToolParser``): one-shot keeps
+    both as content; the stream sends the first as a call and the second's
+    JSON as content."""
     whole, streamed = _messages(run, "family-two-tool-calls")
-    assert [json.loads(a) for a in _arguments(whole)] == [PARIS_CALL[1], ROME_CALL[1]]
     assert [json.loads(a) for a in _arguments(streamed)] == [PARIS_CALL[1]]
+    assert release() in ("0.33", "0.34"), f"vLLM {installed()}: pin what this release does"
+    if release() == "0.33":
+        assert [json.loads(a) for a in _arguments(whole)] == [PARIS_CALL[1], ROME_CALL[1]]
+    else:
+        assert _arguments(whole) == []
+        assert [json.loads(line)["parameters"] for line in whole["content"].splitlines()] == [PARIS_CALL[1], ROME_CALL[1]]
+        assert json.loads(streamed["content"])["parameters"] == ROME_CALL[1]
 
 
 # --- derender parity on the families (issue #9) ---------------------------------
@@ -899,7 +919,7 @@ def test_parity_on_every_family(family: Stack, run: Run, serve_engine: ServeEngi
 
     between_modes = outputs("oneshot", "replay")
     assert outputs("serve-oneshot", "serve") == between_modes
-    known = {stream for issue in KNOWN_ISSUES if issue.case == family.name for stream in issue.streams}
+    known = {stream for issue in KNOWN_ISSUES if issue.case == family.name and issue.holds_on(installed()) for stream in issue.streams}
     assert {stream for stream, _ in between_modes} == known
     if family.name in SERVE_PARITY:
         assert between_modes == SERVE_PARITY[family.name]
