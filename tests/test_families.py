@@ -62,6 +62,7 @@ from tests.helpers import (
     normalize,
     normalized_bytes,
     offline_env,
+    requires_fast,
     run_lines,
     server_stream_answers,
     transcript_name,
@@ -343,6 +344,7 @@ def _lexicon(info: Any) -> Any:
     )  # fmt: skip
 
 
+@requires_fast("decode")
 def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     """The drop lexicon the fast decode shares between a family's parsers
     (`vllm_seam.parsers`) is vLLM's fresh build for that config and
@@ -351,9 +353,6 @@ def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeyp
     from vllm.parser.engine import streaming_parser_engine
 
     from derender_core.vllm_seam import parsers
-
-    if not proven("decode"):
-        pytest.skip("the fast decode is off on this vLLM: every lexicon is vLLM's own build")
 
     name = family.builder.family.served_name
     tokenizer = family.engine._serving.online_derenderer.tokenizer
@@ -455,13 +454,12 @@ def _with_streamed_tool_ids_of(mine: bytes, other: bytes) -> bytes:
     return other
 
 
+@requires_fast("decode", "live")
 def test_live_streams_are_replays_bytes(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     """Live streaming on the fast decode, its chunk lane taking a stream's
     usual calls (`live.ChunkLane`), gives replay's bytes on vLLM's own
     decode: every SSE event, every JSONL line (chunk and state), key order
     and escaping included."""
-    if not (proven("live") and proven("decode")):
-        pytest.skip("live streams' fast path is off on this vLLM: live runs vLLM's own code")
     taken = count_lane_calls(monkeypatch)
     lines = [orjson.dumps(body) for body in run.bodies]
     job = Job(Endpoint.CHAT, stream=True)
