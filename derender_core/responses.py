@@ -34,6 +34,7 @@ from .compare import (
     compare,
 )
 from .errors import InputError
+from .naming import DIGEST_CHARS, file_stem
 from .protocol import Endpoint
 from .records import open_input, parse_line, sniff_lines
 from .writers import Assembly
@@ -101,7 +102,8 @@ def error_text(body: Any) -> str:
 
 def read_items(path: str | Path) -> Iterator[Item]:
     """The answered requests in a file, or in a directory's ``*.sse`` files
-    (keyed by file name, in name order)."""
+    (in name order, keyed by the request id the name was made from where
+    it gives it back, `_request_key`, else by the name)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.sse"))
@@ -109,10 +111,20 @@ def read_items(path: str | Path) -> Iterator[Item]:
             raise InputError(f"{path}: no .sse files in the directory")
         for sse_file in files:
             for number, item in enumerate(_items_of(str(sse_file))):
-                item.key = sse_file.stem if number == 0 else f"{sse_file.stem}#{number + 1}"
+                key = _request_key(sse_file.stem)
+                item.key = key if number == 0 else f"{key}#{number + 1}"
                 yield item
         return
     yield from _items_of(str(path))
+
+
+def _request_key(stem: str) -> str:
+    """The request id a transcript's file name was made from
+    (`naming.file_stem`) when the name's readable prefix is that id whole,
+    so a report names the request; any other name (a ``-N`` one among
+    them) as it is. Two directories written by derender pair either way."""
+    prefix = stem[: -DIGEST_CHARS - 1]
+    return prefix if prefix and file_stem(prefix) == stem else stem
 
 
 def _items_of(path: str) -> Iterator[Item]:
