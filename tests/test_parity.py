@@ -39,7 +39,7 @@ from derender_core.records import Record, RequestIndex
 from derender_core.responses import Item
 from derender_core.writers import SseWriter
 from tests.conftest import ServeStack, Stack
-from tests.helpers import run_cli, run_lines
+from tests.helpers import run_cli, run_lines, transcript_name
 from tests.parity_corpus import CASES, corpus_bodies
 from tests.sample_inputs import write_jsonl
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
@@ -181,7 +181,7 @@ def test_diff_command(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_path: Pat
     for engine, out in ((qwen3_serve.engine, serve_dir), (qwen3_stack.engine, derender_dir)):
         out.mkdir()
         run_lines(engine, Job(Endpoint.CHAT, stream=True), lines, SseWriter(directory=out))
-    (derender_dir / "length-tail.sse").rename(derender_dir / "other.sse")  # no pair
+    (derender_dir / transcript_name("length-tail")).rename(derender_dir / "other.sse")  # no pair
     same = run_cli("diff", str(serve_dir), str(serve_dir))
     assert same.returncode == 0 and b"0 divergences" in same.stderr
     report = tmp_path / "diff.jsonl"
@@ -192,7 +192,7 @@ def test_diff_command(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_path: Pat
                     ("length-tail", "record"), ("other", "record")}  # fmt: skip
     assert not any(field == "null_fields" for _, field in keys)
 
-    serve_file = serve_dir / "plain.sse"
+    serve_file = serve_dir / transcript_name("plain")
     other = tmp_path / "other.sse"
     other.write_bytes(serve_file.read_bytes().replace(b'"created":', b'"created":1'))
     assert run_cli("diff", str(serve_file), str(other)).returncode == 0
