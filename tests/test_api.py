@@ -6,6 +6,8 @@ The Ray Data way is `test_ray.py::test_map_batches_with_a_shipped_model_answers_
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -203,3 +205,39 @@ def test_a_line_that_is_a_json_string_is_answered_as_the_server_does(qwen3_stack
         done = run_cli("chat", str(path), "--config", "sample_data/qwen3.yaml", "-q", "-j", workers, env={"DERENDER_NO_SERVER": "1"})
         assert done.returncode == 1, done.stderr.decode()
         assert [json.loads(line) for line in done.stdout.splitlines()] == served
+
+
+FORKED_FROM_A_USED_ENGINE = """
+import json, sys
+from derender_core import DerenderEngine, Endpoint, JobSpec, RenderConfig, run_job
+
+config = RenderConfig.from_yaml("sample_data/qwen3.yaml")
+engine = DerenderEngine.build(config)
+with open(sys.argv[1], "rb") as lines:
+    first = json.loads(next(lines))
+assert engine.post(Endpoint.CHAT, first).ok  # vLLM's pool, if it has one, now has threads
+spec = JobSpec([sys.argv[1]], sys.argv[2], workers=2)
+print(run_job(config, spec, warm=lambda asked: engine if asked == config else None).return_code)
+"""
+
+
+@pytest.mark.parametrize("fast_paths", ["on", "off"])
+def test_workers_forked_from_a_used_engine_answer_as_the_server(qwen3_stack: Stack, tmp_path: Any, fast_paths: str) -> None:
+    """A library user's engine, used, then handed to a job's forked workers
+    (`run_job`'s ``warm``). Where derender runs vLLM's own code (a release
+    the start-up was not proven on, or ``DERENDER_FAST_PATHS=off``), the
+    renderer's work runs on vLLM's thread pool, and the fork copies that
+    pool without its threads: each worker's first call once waited forever.
+    The workers answer, and the answers are the server's."""
+    from tests.helpers import REPO, SAMPLE, offline_env, read_jsonl
+
+    out = tmp_path / "out.jsonl"
+    env = offline_env(DERENDER_FAST_PATHS=fast_paths)
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_FROM_A_USED_ENGINE, str(SAMPLE / "chat.jsonl"), str(out)],
+        capture_output=True, env=env, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().split() == ["0"]
+    served = [qwen3_stack.server.post(Endpoint.CHAT, body).json() for body in read_jsonl(SAMPLE / "chat.jsonl")]
+    assert normalize(read_jsonl(out)) == normalize(served)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -500,11 +500,17 @@ class DerenderEngine(CodeAPI):
     def after_fork(self) -> None:
         """Use the engine in a process forked from the one that built it.
 
-        A fork copies memory, not threads: the renderer's work runs inline
-        (`_InlineExecutor`), so no pool thread is missing, and the event
-        loop was closed before the fork (`close`), so the child opens its
-        own and shares no descriptors. Nothing is left to repair.
+        A fork copies memory, not threads. With the start-up proven
+        (`versions`), the renderer's work runs inline (`_InlineExecutor`),
+        so no pool thread is missing; elsewhere it runs on vLLM's own pool,
+        as in its server, and the child's copy of that pool counts threads
+        the child does not have: its first call would wait forever, so the
+        child gets a fresh pool. The event loop was closed before the fork
+        (`close`), so the child opens its own and shares no descriptors.
         """
+        executor = self._serving.online_derenderer.renderer._executor
+        if not isinstance(getattr(executor, "_inner", None), _InlineExecutor):
+            _fresh_pool(executor)
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run a handler coroutine to its end.
@@ -672,6 +678,16 @@ class _Resumed:
                 awaited = resume(argument)
             except StopIteration as done:
                 return done.value
+
+
+def _fresh_pool(executor: Executor) -> None:
+    """Give a forked child's copy of vLLM's renderer pool threads of its
+    own, keeping the object (vLLM's ``make_async`` wrappers hold it)."""
+    if hasattr(executor, "replace_inner"):  # vLLM's _SwappableExecutor
+        executor.replace_inner()
+    elif isinstance(executor, ThreadPoolExecutor):
+        # The stdlib pool's state made anew: no thread, an empty queue.
+        executor.__init__(executor._max_workers, executor._thread_name_prefix)  # type: ignore[misc]
 
 
 class _InlineExecutor(Executor):
