@@ -37,7 +37,7 @@ from openai.types.completion import Completion
 from derender_core import Endpoint, JobSpec, run_job
 from derender_core.parity import Chunking, stream_bodies
 from tests.conftest import sample_config
-from tests.helpers import SAMPLE, normalize
+from tests.helpers import SAMPLE, normalize, transcript_name
 
 FLAVORS = ("derender", "serve")
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -106,7 +106,9 @@ def sse_events(transcript: bytes) -> list[bytes]:
 
 
 def transcripts(directory: Path) -> dict[str, bytes]:
-    found = {path.stem: path.read_bytes() for path in sorted(directory.iterdir())}
+    # Each transcript's file, by the request id its name was made from.
+    names = {transcript_name(rid): rid for rid in ("stream-n2", "stream-speculative-unicode", "stream-tool-call")}
+    found = {names.get(path.name, path.stem): path.read_bytes() for path in sorted(directory.iterdir())}
     assert found
     return found
 
