@@ -120,10 +120,19 @@ def test_completion_gives_the_endpoints_answer(qwen3_stack: Stack) -> None:
     assert normalize(batch[0]) == normalize(got)
 
 
-def test_datasets_map_with_one_engine_per_process(qwen3_stack: Stack, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("fast_paths", ["on", "off"])
+def test_datasets_map_with_one_engine_per_process(
+    qwen3_stack: Stack, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fast_paths: str
+) -> None:
     """The documented `Dataset.map(num_proc=2)` way: the engine built once
-    in the parent, the forked workers answer with it."""
+    in the parent, the forked workers answer with it, and so does the
+    parent after them. With the fast paths off (vLLM's own code and thread
+    pool, as on a release they were not proven on), the workers once waited
+    forever on their copy of the pool, then, fixed, the parent did: the
+    workers' exit closed the event loop whose epoll they shared with it."""
     datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("DERENDER_FAST_PATHS", fast_paths)
+    release_engines()
     rollouts = _rollouts(qwen3_stack)
     rows = [
         {"output": output, "request": request, "prompt": prompt}

@@ -19,11 +19,13 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from derender_core import Endpoint
+from derender_core import Endpoint, RenderConfig
+from derender_core.vllm_seam import versions
 from tests.conftest import Stack
 from tests.helpers import (
     REPO,
     SAMPLE,
+    RenderServer,
     invoke,
     normalize,
     offline_env,
@@ -125,9 +127,12 @@ def test_completion_sample_stdout_carries_only_the_servers_answers(cli: CliRunne
     answers = lines_of(result.stdout_bytes)
     assert normalize(answers) == normalize(server_answers(qwen3_stack, Endpoint.COMPLETION, SAMPLE / "completion.jsonl"))
     assert all(a["object"] == "text_completion" for a in answers)
-    # Not a terminal: no progress display, only the summary line.
-    assert len(result.stderr.splitlines()) == 1
-    assert result.stderr.startswith("derender: 4 records, 0 errors in ")
+    # Not a terminal: no progress display, only the summary line, after
+    # the one line saying the fast paths are off where they are.
+    notice = versions.notice()
+    *before, summary = result.stderr.splitlines()
+    assert before == ([f"derender: {notice}"] if notice else [])
+    assert summary.startswith("derender: 4 records, 0 errors in ")
 
 
 def test_quiet_leaves_stderr_empty(cli: CliRunner) -> None:
@@ -219,16 +224,31 @@ def test_bad_flag_values_exit_2(cli: CliRunner) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_parser_the_tokenizer_cannot_serve_is_a_usage_error(cli: CliRunner, deepseek_dir: Path) -> None:
-    """vLLM refuses to start the server for this pairing; so do we, exit 2."""
-    result = invoke(
-        cli, "chat", "sample_data/chat.jsonl", "--model", str(deepseek_dir),
-        "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
-    )  # fmt: skip
-    assert result.exit_code == 2
-    assert "--tool-call-parser llama3_json cannot be used with the tokenizer" in result.stderr
-    assert "<|python_tag|>" in result.stderr
-    assert result.stdout_bytes == b""
+def test_parser_the_tokenizer_cannot_serve_is_a_usage_error(cli: CliRunner, deepseek_dir: Path, tmp_path: Path) -> None:
+    """Where vLLM refuses to start the server for this pairing (0.33: the
+    DeepSeek tokenizer lacks llama3_json's ``<|python_tag|>``), so do we,
+    exit 2. Where it starts (0.34's LlamaJsonEngineToolParser needs no
+    such token), we answer as it does."""
+    flags = ["--model", str(deepseek_dir), "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
+    result = invoke(cli, "chat", "sample_data/chat.jsonl", *flags)
+    try:
+        server = RenderServer(
+            RenderConfig(model=str(deepseek_dir), tool_call_parser="llama3_json", enable_auto_tool_choice=True),
+            tmp_path / "server.log",
+        )
+    except RuntimeError:  # the server exited
+        assert result.exit_code == 2
+        assert "--tool-call-parser llama3_json cannot be used with the tokenizer" in result.stderr
+        assert "<|python_tag|>" in result.stderr
+        assert result.stdout_bytes == b""
+        return
+    try:
+        lines = (SAMPLE / "chat.jsonl").read_bytes().splitlines()
+        expected = [server.post_raw(Endpoint.CHAT, line).json() for line in lines if line.strip()]
+    finally:
+        server.stop()
+    assert result.exit_code == (1 if any("error" in answer for answer in expected) else 0), result.stderr
+    assert normalize(lines_of(result.stdout_bytes)) == normalize(expected)
 
 
 def test_broken_pipe_ends_quietly_with_141(tmp_path: Path) -> None:

@@ -39,12 +39,16 @@ from derender_core.records import Record, RequestIndex
 from derender_core.responses import Item
 from derender_core.writers import SseWriter
 from tests.conftest import ServeStack, Stack
-from tests.helpers import run_cli, run_lines, transcript_name
+from tests.helpers import requires_fast, run_cli, run_lines, transcript_name
 from tests.parity_corpus import CASES, corpus_bodies
 from tests.sample_inputs import write_jsonl
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
 
 SAMPLE_FLAGS = ["--config", "sample_data/qwen3.yaml"]
+
+needs_serve = requires_fast("serve")
+"""The tests that run the serve flavor: it has no reference path to fall
+back to, and refuses where it is not proven."""
 
 # What serve adds to every response (usage.completion_tokens_details, its
 # fingerprint) and how its frames select fields, per request.
@@ -82,6 +86,7 @@ def report_keys(path: Path) -> set[tuple[Any, ...]]:
     }
 
 
+@needs_serve
 def test_parity_finds_every_listed_divergence_and_nothing_else(qwen3_serve: ServeStack, tmp_path: Path) -> None:
     assert set(EXPECTED) == set(CASES)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", corpus_bodies(qwen3_serve.builder))
@@ -109,6 +114,7 @@ def test_parity_finds_every_listed_divergence_and_nothing_else(qwen3_serve: Serv
     assert f"7 requests, {len(expected)} divergences, 0 not compared" in stderr
 
 
+@needs_serve
 def test_chunkings_of_one_shot_input(qwen3_stack: Stack, qwen3_serve: ServeStack) -> None:
     """A one-shot record runs once per chunking on the stream paths; a
     finish-only tail leaks the stop token there, and only there."""
@@ -128,6 +134,7 @@ def test_chunkings_of_one_shot_input(qwen3_stack: Stack, qwen3_serve: ServeStack
     assert found == {("oneshot", "replay", "content", "tail"), ("replay", "serve", "content", "tail")}
 
 
+@needs_serve
 def test_from_serve_recordings(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_path: Path) -> None:
     """Answers recorded from `vllm serve` with return_token_ids, streamed and
     not: the serve path gives them back exactly; the derender paths differ
@@ -172,6 +179,7 @@ def test_from_serve_recordings(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_
     assert all(d.left == "recorded" for d in found)
 
 
+@needs_serve
 def test_diff_command(qwen3_stack: Stack, qwen3_serve: ServeStack, tmp_path: Path) -> None:
     """`derender diff` compares answers request by request, with the
     normalisation switchable, over files and directories of transcripts."""

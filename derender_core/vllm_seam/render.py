@@ -17,7 +17,10 @@ import copy
 import functools
 import gc
 import logging
+import os
+import selectors
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -98,6 +101,8 @@ class DerenderEngine(CodeAPI):
                 raise ConfigError(f"vLLM's renderer executor changed shape: {type(executor).__name__}")
         elif versions.proven("startup"):
             executor._inner = _InlineExecutor()
+        if not isinstance(getattr(executor, "_inner", None), _InlineExecutor):
+            _fresh_pool_in_forked_children(executor)
         self.startup_seconds = startup_seconds
         self._fast_paths = _fast_paths(serving)
         """Which fast paths this engine may take: proven on the installed
@@ -129,7 +134,7 @@ class DerenderEngine(CodeAPI):
         }
         # One loop for the engine and its `in_mode` copies, across calls like
         # the server's; a stack whose tasks live on a loop brings that loop.
-        self._loop = loop or asyncio.new_event_loop()
+        self._loop = loop or _new_loop()
         # request_id -> its stream's request and prompt ids, raw and validated
         self._stream_requests: OrderedDict[str, KnownRequest] = OrderedDict()
         self._lane: ChunkLane | None = None
@@ -503,14 +508,11 @@ class DerenderEngine(CodeAPI):
         A fork copies memory, not threads. With the start-up proven
         (`versions`), the renderer's work runs inline (`_InlineExecutor`),
         so no pool thread is missing; elsewhere it runs on vLLM's own pool,
-        as in its server, and the child's copy of that pool counts threads
-        the child does not have: its first call would wait forever, so the
-        child gets a fresh pool. The event loop was closed before the fork
-        (`close`), so the child opens its own and shares no descriptors.
+        as in its server, and any fork gives the child a fresh one
+        (`_fresh_pool_in_forked_children`). The event loop was closed before
+        the fork (`close`), so the child opens its own and shares no
+        descriptors. Nothing is left to repair.
         """
-        executor = self._serving.online_derenderer.renderer._executor
-        if not isinstance(getattr(executor, "_inner", None), _InlineExecutor):
-            _fresh_pool(executor)
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run a handler coroutine to its end.
@@ -521,7 +523,7 @@ class DerenderEngine(CodeAPI):
         ``make_async`` helpers) finishes on the engine's event loop.
         """
         if self._loop.is_closed():
-            self._loop = asyncio.new_event_loop()
+            self._loop = _new_loop()
         # make_async binds its futures to the current event loop.
         asyncio.set_event_loop(self._loop)
         try:
@@ -680,14 +682,54 @@ class _Resumed:
                 return done.value
 
 
-def _fresh_pool(executor: Executor) -> None:
-    """Give a forked child's copy of vLLM's renderer pool threads of its
-    own, keeping the object (vLLM's ``make_async`` wrappers hold it)."""
-    if hasattr(executor, "replace_inner"):  # vLLM's _SwappableExecutor
-        executor.replace_inner()
-    elif isinstance(executor, ThreadPoolExecutor):
-        # The stdlib pool's state made anew: no thread, an empty queue.
-        executor.__init__(executor._max_workers, executor._thread_name_prefix)  # type: ignore[misc]
+_REPAIRED_IN_CHILDREN: weakref.WeakSet[Executor] = weakref.WeakSet()
+_ENGINE_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    _ENGINE_LOOPS.add(loop)
+    return loop
+
+
+def _close_inherited_loops() -> None:
+    """In a forked child, the engines' open event loops share the parent's
+    epoll instance and self-pipe. Closed as they are (here, or at the
+    child's exit), they would unregister the parent's self-pipe from that
+    shared epoll, and the parent's next call that waits on vLLM's pool
+    would never wake (``Dataset.map(num_proc=...)``, then a call in the
+    parent). Each gets a selector of its own first; the engines open new
+    loops (`DerenderEngine._run`)."""
+    for loop in list(_ENGINE_LOOPS):
+        if not loop.is_closed() and not loop.is_running() and hasattr(loop, "_selector"):
+            loop._selector = selectors.DefaultSelector()
+            loop.close()
+
+
+os.register_at_fork(after_in_child=_close_inherited_loops)
+
+
+def _fresh_pool_in_forked_children(executor: Executor) -> None:
+    """Where the renderer's work runs on vLLM's own thread pool, a forked
+    child's copy of the pool counts threads the child does not have, and
+    its first call would wait forever. So in every child (a job's workers,
+    ``Dataset.map(num_proc=...)``, the warm server's children) the pool gets
+    threads of its own, keeping the object (vLLM's ``make_async`` wrappers
+    hold it)."""
+    if executor in _REPAIRED_IN_CHILDREN:
+        return
+    _REPAIRED_IN_CHILDREN.add(executor)
+    held = weakref.ref(executor)
+
+    def fresh() -> None:
+        pool = held()
+        if hasattr(pool, "replace_inner"):  # vLLM's _SwappableExecutor
+            pool.replace_inner()
+        elif isinstance(pool, ThreadPoolExecutor):
+            # The stdlib pool's state made anew: no thread, an empty queue.
+            pool.__init__(pool._max_workers, pool._thread_name_prefix)  # type: ignore[misc]
+
+    os.register_at_fork(after_in_child=fresh)
 
 
 class _InlineExecutor(Executor):
