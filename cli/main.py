@@ -474,7 +474,10 @@ def version_callback(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
+        from derender_core.vllm_seam.versions import describe
+
         typer.echo(f"derender {version('derender')}")
+        typer.echo(describe())
         raise typer.Exit()
 
 
