@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from .compare import (
     DEFAULT_NORMALIZATION,
     Divergence,

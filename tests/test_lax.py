@@ -40,7 +40,13 @@ from derender_core.streams import ChunkFacts
 from derender_core.vllm_seam.live import KnownRequest
 from tests.conftest import Stack
 from tests.helpers import jsonl_answers, normalize, run_cli, server_stream_answers
-from tests.sample_inputs import chat_bodies, completion_bodies, completion_stream_plans, stream_bodies, stream_plans
+from tests.sample_inputs import (
+    chat_bodies,
+    completion_bodies,
+    completion_stream_plans,
+    stream_bodies,
+    stream_plans,
+)
 
 VOCAB = 1000
 

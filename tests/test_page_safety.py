@@ -26,7 +26,7 @@ import derender_core.html_report as html_report
 from derender_core.compare import Examination, Observed, compare
 from derender_core.html_report import build_page
 from tests.helpers import run_cli
-from tests.test_html_report import CHROMIUM, _dump_dom, _Dom
+from tests.test_html_report import CHROMIUM, _Dom, _dump_dom
 
 PWN = "document.body.setAttribute('data-pwned','yes')"
 PAYLOADS = (

@@ -31,10 +31,10 @@ from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import Answer, Endpoint, parsed_body
+from . import versions
 from .answers import json_answer, stream_answer
 from .parsers import SHARING
 from .renderer import RenderHalf
-from . import versions
 from .stack import (
     derender_stack,
     lean_start,
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from pydantic import TypeAdapter
 
     from .live import ChunkLane, KnownRequest
-    from .responses import DirectResponses
     from .requests import ChatRequests
+    from .responses import DirectResponses
 
 REQUESTS_KEPT = 4096
 """Validated stream requests kept for reuse in live mode (one per stream)."""

@@ -38,7 +38,10 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 import annotated_types
 from pydantic.fields import FieldInfo
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionToolsParam
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionToolsParam,
+)
 
 _ATOMS = (type(None), bool, int, float, str)
 

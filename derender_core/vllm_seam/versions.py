@@ -85,8 +85,8 @@ def notice() -> str | None:
     if os.environ.get(OFF_ENV, "").strip().lower() == "off":
         why = f"{OFF_ENV}=off"
     else:
-        proven_on = sorted({v for versions in PROVEN.values() for v in versions})
-        why = f"vLLM {installed() or '(not installed)'} is not one they were proven on ({', '.join(proven_on)})"
+        proven_on = sorted({v for path in off for v in PROVEN[path]})
+        why = f"they were proven on vLLM {', '.join(proven_on)}, and this is {installed() or 'no vLLM'}"
     return (
         f"fast paths off ({', '.join(off)}): {why}; running vLLM's own code, "
         "exact but slower"
