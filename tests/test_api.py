@@ -6,6 +6,7 @@ The Ray Data way is `test_ray.py::test_map_batches_with_a_shipped_model_answers_
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -122,7 +123,7 @@ def test_completion_gives_the_endpoints_answer(qwen3_stack: Stack) -> None:
 
 @pytest.mark.parametrize("fast_paths", ["on", "off"])
 def test_datasets_map_with_one_engine_per_process(
-    qwen3_stack: Stack, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fast_paths: str
+    qwen3_stack: Stack, request: pytest.FixtureRequest, fast_paths: str
 ) -> None:
     """The documented `Dataset.map(num_proc=2)` way: the engine built once
     in the parent, the forked workers answer with it, and so does the
@@ -131,7 +132,19 @@ def test_datasets_map_with_one_engine_per_process(
     forever on their copy of the pool, then, fixed, the parent did: the
     workers' exit closed the event loop whose epoll they shared with it."""
     datasets = pytest.importorskip("datasets")
-    monkeypatch.setenv("DERENDER_FAST_PATHS", fast_paths)
+    # Set and put back by hand: Dataset.map(num_proc=...) leaves a new
+    # os.environ object behind, so monkeypatch's undo would clear the
+    # setting from the old one and leave it on for every later test.
+    before = os.environ.get("DERENDER_FAST_PATHS")
+    os.environ["DERENDER_FAST_PATHS"] = fast_paths
+
+    def put_back() -> None:
+        if before is None:
+            os.environ.pop("DERENDER_FAST_PATHS", None)
+        else:
+            os.environ["DERENDER_FAST_PATHS"] = before
+
+    request.addfinalizer(put_back)
     release_engines()
     rollouts = _rollouts(qwen3_stack)
     rows = [
