@@ -430,7 +430,7 @@ def diff(
 
     Each side is one-shot responses (JSONL, error records included), stream
     answers (derender stream jsonl, {chunk, stream_state} or {chunks} per
-    line) or SSE transcripts (a file, or a directory of <request_id>.sse).
+    line) or SSE transcripts (a file, or a directory of .sse transcripts, one per request).
     Streams are grouped by their chunks' id and compared assembled and by
     shape. Requests pair up in order, or by file name for two directories.
     Exit 1 when any divergence remains, 0 when none, 4 when an input holds

@@ -405,7 +405,7 @@ FromServeOpt = Annotated[
         "--from-serve",
         metavar="RECORDED",
         help="Recorded vllm serve answers (non-stream JSONL, or SSE transcripts: a file or a "
-        "directory of <request_id>.sse) made with return_token_ids: true; INPUT is then the "
+        "directory of .sse transcripts) made with return_token_ids: true; INPUT is then the "
         "requests file (request_id, chat_request or completion_request, prompt_token_ids). "
         "The answers' tokens run through every path and each path is compared with the recording.",
     ),

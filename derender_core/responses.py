@@ -3,7 +3,7 @@
 `derender diff` and `derender parity --from-serve` read what was answered
 rather than what was asked: one-shot responses (JSONL, one per line, error
 records included), streams as SSE transcripts (``data:`` lines, one file or
-a directory of ``<request_id>.sse``), and this tool's own stream output
+a directory of ``.sse`` transcripts), and this tool's own stream output
 (``{"chunk", "stream_state"}`` per call, or ``{"chunks"}`` under the serve
 flavour). Each becomes an `Item`: a response, or a stream's chunks, or an
 error. Chunks are grouped into streams by their ``id``, in the order
