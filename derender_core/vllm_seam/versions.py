@@ -71,11 +71,6 @@ def proven(path: str) -> bool:
     return installed() in PROVEN[path]
 
 
-def all_proven() -> bool:
-    """Whether every fast path runs here."""
-    return all(proven(path) for path in PROVEN)
-
-
 def notice() -> str | None:
     """The one line a run prints when it steps aside to vLLM's own code,
     or None when every fast path is on."""
