@@ -58,6 +58,16 @@ def test_off_switch_and_unknown_releases(monkeypatch: pytest.MonkeyPatch) -> Non
     message = versions.notice()
     assert message is not None and "this is 9.99.0" in message and "exact but slower" in message
     assert "fast path decode     off" in versions.describe()
+    # Proving a release: the named paths on where unproven, the rest off.
+    monkeypatch.setenv(versions.OFF_ENV, "prove:decode, live,bogus")
+    assert versions.proving() == {"decode", "live"}
+    assert [path for path in versions.PROVEN if versions.proven(path)] == ["decode", "live"]
+    assert "fast path decode     on, being proven" in versions.describe()
+    message = versions.notice()
+    assert message is not None and "requests" in message and "decode" not in message.split(":")[0]
+    monkeypatch.setenv(versions.OFF_ENV, "prove:" + ",".join(versions.PROVEN))
+    message = versions.notice()
+    assert message is not None and "on unproven, on vLLM 9.99.0" in message
 
 
 def test_version_flag_names_vllm_and_each_path() -> None:

@@ -50,8 +50,25 @@ SUPPORTED = (">=0.33", "<0.35")
 
 OFF_ENV = "DERENDER_FAST_PATHS"
 """``off`` runs every path as on a release never seen (vLLM's own code),
-for proving the reference on a known release; anything else, or unset,
-keeps the proven fast paths on."""
+for proving the reference on a known release. ``prove:decode,live`` (names
+from `PROVEN`) turns the named paths on where they are not yet proven: the
+step of adding a release in which their differential tests are run on it,
+before the release joins their tuples. Anything else, or unset, keeps the
+proven fast paths on."""
+
+_PROVE = "prove:"
+
+
+def _setting() -> str:
+    return os.environ.get(OFF_ENV, "").strip().lower()
+
+
+def proving() -> frozenset[str]:
+    """The paths ``DERENDER_FAST_PATHS=prove:...`` turns on unproven."""
+    setting = _setting()
+    if not setting.startswith(_PROVE):
+        return frozenset()
+    return frozenset(name.strip() for name in setting[len(_PROVE) :].split(",") if name.strip() in PROVEN)
 
 
 @functools.cache
@@ -66,18 +83,21 @@ def installed() -> str:
 def proven(path: str) -> bool:
     """Whether fast path `path` runs here: proven on the installed vLLM,
     and not switched off by ``DERENDER_FAST_PATHS=off``."""
-    if os.environ.get(OFF_ENV, "").strip().lower() == "off":
+    if _setting() == "off":
         return False
-    return installed() in PROVEN[path]
+    return installed() in PROVEN[path] or path in proving()
 
 
 def notice() -> str | None:
     """The one line a run prints when it steps aside to vLLM's own code,
     or None when every fast path is on."""
     off = [path for path in PROVEN if not proven(path)]
+    trying = sorted(path for path in proving() if installed() not in PROVEN[path])
+    if trying and not off:
+        return f"fast paths {', '.join(trying)} on unproven, on vLLM {installed()}, by {OFF_ENV}={_setting()}"
     if not off:
         return None
-    if os.environ.get(OFF_ENV, "").strip().lower() == "off":
+    if _setting() == "off":
         why = f"{OFF_ENV}=off"
     else:
         proven_on = sorted({v for path in off for v in PROVEN[path]})
@@ -93,5 +113,7 @@ def describe() -> str:
     lines = [f"vLLM {installed() or '(not installed)'} (supported: {','.join(SUPPORTED)})"]
     for path, versions in PROVEN.items():
         state = "on" if proven(path) else "off"
+        if path in proving() and installed() not in versions:
+            state = "on, being proven"
         lines.append(f"  fast path {path:<10} {state:<4}(proven on vLLM {', '.join(versions)})")
     return "\n".join(lines)
