@@ -329,3 +329,162 @@ def null_fields(chunks: list[dict[str, Any]]) -> set[str]:
     for chunk in chunks:
         walk(chunk, "")
     return found
+
+
+# --- classes of divergences ------------------------------------------------------
+
+ENUMERATED_FIELDS = frozenset({"role_frame", "finish_frame", "finish_reason", "object"})
+"""Fields whose values are a few words: a divergence's class (and its
+minimal record's likeness) keeps both words."""
+SIGNATURE_CHARS = 120
+"""A class signature is cut here: a class names a kind of difference, the
+report keeps the values."""
+
+
+def value_kind(value: Any) -> str:
+    """What kind of JSON value `value` is: null, boolean, number, text, list, object."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "text"
+    return "list" if isinstance(value, list) else "object"
+
+
+def _side_signature(value: Any) -> str:
+    """One side's value, as a class tells it: a count as zero or not, a
+    list as empty or not, anything else by its kind."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "0" if value == 0 else "N"
+    if isinstance(value, list):
+        return "none" if not value else "items"
+    return value_kind(value)
+
+
+def _object_signature(left: Mapping[str, Any], right: Mapping[str, Any]) -> str:
+    """Two objects by the keys on which they differ: ``K absent vs
+    present``, ``K present vs absent``, or ``K: <left kind> vs <right kind>``."""
+    parts = []
+    for key in sorted({*left, *right}, key=str):
+        if key not in right:
+            parts.append(f"{key} present vs absent")
+        elif key not in left:
+            parts.append(f"{key} absent vs present")
+        elif left[key] != right[key]:
+            parts.append(f"{key}: {_side_signature(left[key])} vs {_side_signature(right[key])}")
+    return ", ".join(parts)
+
+
+def signature(divergence: Divergence) -> str:
+    """A short signature of a divergence's two values, the same for every
+    divergence of one kind of difference: the words of an enumerated field
+    (``with output vs role only``), the keys two objects differ on
+    (``completion_tokens_details absent vs present``), a stop-logic finding
+    with its token numbers as N, else each side's kind of value (``null vs
+    text``; counts as ``0`` or ``N``, lists as ``none`` or ``items``)."""
+    left, right = divergence.left_value, divergence.right_value
+    if divergence.field in ENUMERATED_FIELDS and isinstance(left, str | None) and isinstance(right, str | None):
+        text = f"{left} vs {right}"
+    elif divergence.field == "stop_logic":
+        text = re.sub(r"\d+", "N", f"{left} vs {right}")
+    elif isinstance(left, Mapping) and isinstance(right, Mapping):
+        text = _object_signature(left, right)
+    else:
+        text = f"{_side_signature(left)} vs {_side_signature(right)}"
+    return text if len(text) <= SIGNATURE_CHARS else text[: SIGNATURE_CHARS - 1] + "…"
+
+
+def class_of(divergence: Divergence) -> str:
+    """A divergence's class: its pair of paths, field and `signature`
+    (``replay vs serve: usage: completion_tokens_details absent vs present``)."""
+    return f"{divergence.kind}: {signature(divergence)}"
+
+
+IDS_KEPT = 5
+"""Request ids a class tally keeps, for the summary and the table."""
+ROWS_KEPT = 5
+"""Divergences a kind keeps for the table on stderr."""
+
+
+@dataclass
+class ClassTally:
+    """One class of divergences over a run: how many, in how many requests,
+    the first few request ids and its first divergence (and its number:
+    its line in the report)."""
+
+    name: str
+    first: Divergence
+    first_number: int
+    divergences: int = 0
+    requests: int = 0
+    ids: list[str | None] = field(default_factory=list)
+    """The first `IDS_KEPT` requests that show it, in input order."""
+
+
+@dataclass
+class KindTally:
+    """One kind (pair of paths and field) over a run: its count, its first
+    rows for the table and its first divergence's number."""
+
+    count: int = 0
+    first_number: int = 0
+    rows: list[Divergence] = field(default_factory=list)
+
+
+@dataclass
+class Classes:
+    """Every divergence of a run, counted by class and by kind, in memory
+    that grows with the classes, not the divergences: `add` takes one
+    request's divergences at a time, in input order."""
+
+    classes: dict[str, ClassTally] = field(default_factory=dict)
+    kinds: dict[str, KindTally] = field(default_factory=dict)
+    pairs: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Requests per pair of paths."""
+    divergences: int = 0
+    requests_with: int = 0
+    """Requests with at least one divergence."""
+
+    def add(self, divergences: Iterable[Divergence]) -> list[str]:
+        """Count one request's divergences; their classes, in order."""
+        names: list[str] = []
+        seen: set[str] = set()
+        pairs: set[tuple[str, str]] = set()
+        for divergence in divergences:
+            self.divergences += 1
+            name = class_of(divergence)
+            names.append(name)
+            tally = self.classes.get(name)
+            if tally is None:
+                tally = self.classes[name] = ClassTally(name, divergence, self.divergences)
+            tally.divergences += 1
+            if name not in seen:
+                seen.add(name)
+                tally.requests += 1
+                if len(tally.ids) < IDS_KEPT:
+                    tally.ids.append(divergence.request_id)
+            kind = self.kinds.get(divergence.kind)
+            if kind is None:
+                kind = self.kinds[divergence.kind] = KindTally(first_number=self.divergences)
+            kind.count += 1
+            if len(kind.rows) < ROWS_KEPT:
+                kind.rows.append(divergence)
+            pairs.add((divergence.left, divergence.right))
+        self.requests_with += bool(names)
+        for pair in pairs:
+            self.pairs[pair] = self.pairs.get(pair, 0) + 1
+        return names
+
+    def ordered(self) -> list[ClassTally]:
+        """The classes, most divergences first, then by name."""
+        return sorted(self.classes.values(), key=lambda tally: (-tally.divergences, tally.name))
+
+
+def report_line(divergence: Divergence) -> bytes:
+    """One ``--report`` line, its values whole. A lone surrogate an answer
+    held is written as its JSON escape (``\\udc80``): the line stays UTF-8,
+    and reads back as the same string."""
+    return json_text(divergence.to_json()).encode("utf-8", "backslashreplace") + b"\n"

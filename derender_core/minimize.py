@@ -53,7 +53,15 @@ from typing import Any, TypeVar
 
 import orjson
 
-from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization, Observed
+from .compare import (
+    DEFAULT_NORMALIZATION,
+    ENUMERATED_FIELDS,
+    Divergence,
+    Examination,
+    Normalization,
+    Observed,
+    value_kind,
+)
 from .logs import SERVE_LOGGER, collected_vllm_logs, quieted
 from .parity import (
     DERENDER_MODES,
@@ -415,10 +423,6 @@ def minimal_id(request_id: str, divergence: Divergence) -> str:
     return f"{request_id}~{divergence.left}-{divergence.right}-{divergence.field}"
 
 
-_ENUMERATED = frozenset({"role_frame", "finish_frame", "finish_reason", "object"})
-"""Fields whose values are a few words: a divergence keeps both."""
-
-
 def likeness(divergence: Divergence) -> tuple[Any, ...]:
     """What a smaller record's divergence must share with the original's to
     be the same one: its kind, and on each side the same kind of value
@@ -426,27 +430,15 @@ def likeness(divergence: Divergence) -> tuple[Any, ...]:
     word). Without it the search drifts to another bug of the same kind,
     as a one-shot `content: null` against streamed text turning into text
     against a streamed null."""
-    if divergence.field in _ENUMERATED:
+    if divergence.field in ENUMERATED_FIELDS:
         sides: tuple[Any, ...] = (repr(divergence.left_value), repr(divergence.right_value))
     elif divergence.field == "stop_logic":
         # "not finished at token 30" / "length at token 30": the same
         # disagreement at any token.
         sides = tuple(re.sub(r"\d+", "N", str(value)) for value in (divergence.left_value, divergence.right_value))
     else:
-        sides = tuple(_value_kind(value) for value in (divergence.left_value, divergence.right_value))
+        sides = tuple(value_kind(value) for value in (divergence.left_value, divergence.right_value))
     return (divergence.kind, *sides)
-
-
-def _value_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "text"
-    return "list" if isinstance(value, list) else "object"
 
 
 def paths_for(divergence: Divergence, available: Sequence[str]) -> list[str]:
