@@ -161,11 +161,17 @@ class DerenderEngine(CodeAPI):
             try:
                 # On a vLLM the fast paths were not proven on, vLLM's own
                 # OnlineDerenderer, as its server builds it (`versions`).
-                derenderer_class = None
+                derenderer_class: type | None = None
                 if versions.proven("decode") and versions.proven("live"):
                     from .live import LiveDerenderer
 
                     derenderer_class = LiveDerenderer
+                elif versions.proven("decode"):
+                    # The fast decode (and the requests and responses paths
+                    # over it) proven without live streams.
+                    from .fast import FastDerenderer
+
+                    derenderer_class = FastDerenderer
                 serving = derender_stack(args, derenderer_class, single_threaded=True)
             except Exception as exc:
                 # Whatever stops vLLM's stack from starting stops the server
