@@ -8,7 +8,10 @@ same ``post`` (so every answer is the render server's, byte for byte), with
 derender's record checks unless ``lenient``; a refused call raises
 `RenderError` with the server's status and message. ``render_chat`` and
 ``render_completion`` go the other way, as the render endpoints do: a
-request in, the ``GenerateRequest`` with its prompt ids out.
+request in, the ``GenerateRequest`` with its prompt ids out; so do
+``render_messages`` (Anthropic Messages) and ``render_responses`` (OpenAI
+Responses), and ``tokenize`` and ``detokenize`` answer as the server's
+``/tokenize`` and ``/detokenize``.
 
 `jobs.engine_for` keeps one engine per process and settings, for
 ``Dataset.map`` with ``num_proc`` and other process pools.
@@ -144,6 +147,47 @@ class CodeAPI:
 
         """
         return self._rendered(Endpoint.RENDER_COMPLETION, request)  # type: ignore[no-any-return]
+
+    def render_messages(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``GenerateRequest`` the render server's ``/v1/messages/render``
+        gives for an Anthropic Messages request.
+
+        Raises:
+            RenderError: the server refused the request.
+
+        """
+        return self._rendered(Endpoint.RENDER_MESSAGES, request)  # type: ignore[no-any-return]
+
+    def render_responses(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``GenerateRequest`` the render server's ``/v1/responses/render``
+        gives for an OpenAI Responses request.
+
+        Raises:
+            RenderError: the server refused the request.
+
+        """
+        return self._rendered(Endpoint.RENDER_RESPONSES, request)  # type: ignore[no-any-return]
+
+    def tokenize(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """What the render server's ``/tokenize`` answers for a body with a
+        ``prompt`` or ``messages``: ``tokens``, ``count``,
+        ``max_model_len`` (and ``token_strs`` when asked for).
+
+        Raises:
+            RenderError: the server refused the request.
+
+        """
+        return self._rendered(Endpoint.TOKENIZE, request)  # type: ignore[no-any-return]
+
+    def detokenize(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """What the render server's ``/detokenize`` answers for a body with
+        ``tokens``: ``{"prompt": text}``.
+
+        Raises:
+            RenderError: the server refused the request.
+
+        """
+        return self._rendered(Endpoint.DETOKENIZE, request)  # type: ignore[no-any-return]
 
     def _rendered(self, endpoint: Endpoint, request: Mapping[str, Any]) -> Any:
         answer = self.post(endpoint, dict(request))

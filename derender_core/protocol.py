@@ -19,13 +19,19 @@ import orjson
 
 
 class Endpoint(str, Enum):
-    """The endpoints of `vllm launch render`: its two derender endpoints,
-    and the two render endpoints that turn a request into its prompt."""
+    """The endpoints of `vllm launch render`: its two derender endpoints;
+    the four render endpoints that turn a request (OpenAI chat or
+    completion, Anthropic Messages, OpenAI Responses) into its prompt; and
+    ``/tokenize`` and ``/detokenize``."""
 
     CHAT = "chat"
     COMPLETION = "completion"
     RENDER_CHAT = "render-chat"
     RENDER_COMPLETION = "render-completion"
+    RENDER_MESSAGES = "render-messages"
+    RENDER_RESPONSES = "render-responses"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
 
     @classmethod
     def of(cls, value: Endpoint | str) -> Endpoint:
@@ -52,9 +58,12 @@ class Endpoint(str, Enum):
 
     @property
     def renders(self) -> bool:
-        """A render endpoint: the body is an OpenAI request, the answer its
-        ``GenerateRequest`` (a list of them for completions)."""
-        return self._value_ in _RENDER_VALUES
+        """An endpoint of the server's preprocessing half: the body is a
+        request as a client sends it, answered as it is, with nothing to
+        join or check (a render endpoint's answer is its
+        ``GenerateRequest``, a list of them for completions; ``/tokenize``
+        and ``/detokenize`` answer their own responses)."""
+        return self._value_ not in _DERENDER_VALUES
 
     @property
     def request_key(self) -> str:
@@ -67,13 +76,17 @@ class Endpoint(str, Enum):
         return Endpoint.RENDER_CHAT if self.request_key == "chat_request" else Endpoint.RENDER_COMPLETION
 
 
-_RENDER_VALUES = frozenset({"render-chat", "render-completion"})
+_DERENDER_VALUES = frozenset({"chat", "completion"})
 _CHAT_VALUES = frozenset({"chat", "render-chat"})
 _PATHS = {
     Endpoint.CHAT: "/v1/chat/completions/derender",
     Endpoint.COMPLETION: "/v1/completions/derender",
     Endpoint.RENDER_CHAT: "/v1/chat/completions/render",
     Endpoint.RENDER_COMPLETION: "/v1/completions/render",
+    Endpoint.RENDER_MESSAGES: "/v1/messages/render",
+    Endpoint.RENDER_RESPONSES: "/v1/responses/render",
+    Endpoint.TOKENIZE: "/tokenize",
+    Endpoint.DETOKENIZE: "/detokenize",
 }
 DERENDER_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETION)
 """The endpoints that derender token ids (`derender chat`, `completion`, `stream`)."""

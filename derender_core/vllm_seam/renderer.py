@@ -2,13 +2,17 @@
 
 `vllm launch render` builds one renderer and hands it to both of its halves
 (``init_render_app_state``): ``OnlineRenderer`` behind ``ServingRender``
-answers ``/v1/chat/completions/render`` and ``/v1/completions/render`` with
-the ``GenerateRequest`` a token-in engine takes, and ``OnlineDerenderer``
-behind ``ServingDerender`` answers the derender endpoints. `RenderHalf`
-builds the first over the second's renderer and model registry, with the
-same settings, and answers as the handlers of
-``vllm/entrypoints/scale_out/render/api_router.py`` do: FastAPI's body
-validation, vLLM's exception handlers and ``create_json_response``'s bytes.
+answers ``/v1/chat/completions/render``, ``/v1/completions/render``,
+``/v1/messages/render`` (Anthropic Messages) and ``/v1/responses/render``
+(OpenAI Responses) with the ``GenerateRequest`` a token-in engine takes,
+behind ``ServingTokenization`` ``/tokenize`` and ``/detokenize``, and
+``OnlineDerenderer`` behind ``ServingDerender`` answers the derender
+endpoints. `RenderHalf` builds the first two over the third's renderer and
+model registry, with the same settings, and answers as the handlers of
+``vllm/entrypoints/scale_out/render/api_router.py`` and
+``vllm/entrypoints/serve/tokenize/api_router.py`` do: FastAPI's body
+validation against each route's request model, vLLM's exception handlers,
+and each route's response bytes (`Route`).
 
 The render half is built on first use: its first build loads the model's
 processor to look for a chat template of its own (vLLM's
@@ -19,10 +23,12 @@ should not pay for. `prepare` builds it ahead, before workers fork.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..protocol import Answer, Endpoint
 from .stack import online_settings, startup_logs_hidden
+from .tokenization import json_answered, tokenization_stack
 
 if TYPE_CHECKING:
     from argparse import Namespace
@@ -49,31 +55,32 @@ class RenderHalf:
     def __init__(self, args: Namespace) -> None:
         self._args = args
         self._serving: Any = None
-        self._bodies: dict[Endpoint, TypeAdapter[Any]] = {}
+        self._routes: dict[Endpoint, Route] = {}
 
     def prepare(self, serving_derender: Any) -> Any:
         """The render half over `serving_derender`'s renderer, built now if
         it was not: a parent builds it before forking its workers."""
         if self._serving is None:
             with startup_logs_hidden():
-                self._serving = render_stack(self._args, serving_derender)
-            self._bodies = {
-                Endpoint.RENDER_CHAT: _request_adapter("chat"),
-                Endpoint.RENDER_COMPLETION: _request_adapter("completion"),
-            }
+                serving = render_stack(self._args, serving_derender)
+                tokenization = tokenization_stack(self._args, serving_derender.models, serving.online_renderer)
+            self._routes = _routes(serving, tokenization)
+            self._serving = serving
         return self._serving
 
     def post(self, engine: Handlers, serving_derender: Any, endpoint: Endpoint, body: Any) -> Answer:
-        """Answer one render call as ``POST endpoint.path`` would."""
+        """Answer one call to the preprocessing half as ``POST
+        endpoint.path`` would."""
         from pydantic import ValidationError
 
-        serving = self.prepare(serving_derender)
+        self.prepare(serving_derender)
+        route = self._routes[endpoint]
         if body is None:  # FastAPI reports a null body as missing
             return engine._validation_answer(
                 [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
             )
         try:
-            request = self._bodies[endpoint].validate_python(body, from_attributes=True)
+            request = route.body.validate_python(body, from_attributes=True)
         except ValidationError as exc:
             # FastAPI reports body errors under a leading "body" location.
             return engine._validation_answer(
@@ -81,13 +88,55 @@ class RenderHalf:
             )
         except Exception as exc:  # RecursionError, say: the app's catch-all
             return engine.internal_error(exc)
-        handler: Callable[[Any], Coroutine[Any, Any, Any]] = (
-            serving.render_chat_request if endpoint is Endpoint.RENDER_CHAT else serving.render_completion_request
-        )
         try:
-            return engine._run(_answered(handler(request)))
+            return engine._run(route.answered(route.handler(request)))
         except Exception as exc:  # the app's exception handlers, in order
             return engine.internal_error(exc)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of the preprocessing half: its body as FastAPI validates
+    it, the serving method it calls, and how it turns the result into the
+    response's bytes."""
+
+    body: TypeAdapter[Any]
+    handler: Callable[[Any], Coroutine[Any, Any, Any]]
+    answered: Callable[[Coroutine[Any, Any, Any]], Coroutine[Any, Any, Answer]]
+
+
+def _routes(serving: Any, tokenization: Any) -> dict[Endpoint, Route]:
+    """Each endpoint's route, as its ``api_router`` declares it: the body
+    model, the handler called with the request alone (no HTTP request: no
+    ``X-Request-Id`` header, so an id the request lacks is drawn), and the
+    response (``create_json_response`` on the render routes, a plain
+    ``JSONResponse`` on the tokenize routes)."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    def tokenize(request: Any) -> Coroutine[Any, Any, Any]:
+        return tokenization.create_tokenize(request, None)  # type: ignore[no-any-return]
+
+    def detokenize(request: Any) -> Coroutine[Any, Any, Any]:
+        return tokenization.create_detokenize(request, None)  # type: ignore[no-any-return]
+
+    return {
+        Endpoint.RENDER_CHAT: Route(_request_adapter(ChatCompletionRequest), serving.render_chat_request, _answered),
+        Endpoint.RENDER_COMPLETION: Route(
+            _request_adapter(CompletionRequest), serving.render_completion_request, _answered
+        ),
+        Endpoint.RENDER_MESSAGES: Route(
+            _request_adapter(AnthropicMessagesRequest), serving.render_messages_request, _answered
+        ),
+        Endpoint.RENDER_RESPONSES: Route(
+            _request_adapter(ResponsesRequest), serving.render_responses_request, _answered
+        ),
+        Endpoint.TOKENIZE: Route(_request_adapter(TokenizeRequest), tokenize, json_answered),
+        Endpoint.DETOKENIZE: Route(_request_adapter(DetokenizeRequest), detokenize, json_answered),
+    }
 
 
 async def _answered(call: Coroutine[Any, Any, Any]) -> Answer:
@@ -145,14 +194,12 @@ def _forget_processors() -> None:
         cached.cache_clear()
 
 
-def _request_adapter(kind: str) -> TypeAdapter[Any]:
-    """The route's body parameter, validated as FastAPI validates it."""
+def _request_adapter(model: Any) -> TypeAdapter[Any]:
+    """The route's body parameter (a model, or a union of them as
+    ``TokenizeRequest``), validated as FastAPI validates it."""
     from typing import Annotated
 
     from fastapi import Body
     from pydantic import TypeAdapter
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     return TypeAdapter(Annotated[model, Body()])
