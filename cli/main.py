@@ -173,8 +173,9 @@ def _derender(config: RenderConfig, console: Console, job: dict[str, Any], **fie
 def _one_shot_command(
     endpoint: Endpoint, doc: str, options: dict[str, tuple[Any, Any]] = JOB_OPTIONS
 ) -> Callable[..., None]:
-    """`chat`, `completion` and `render chat|completion` differ only in
-    their endpoint (and the job flags a render takes)."""
+    """`chat`, `completion`, `render chat|completion|messages|responses`,
+    `tokenize` and `detokenize` differ only in their endpoint (and the job
+    flags a render takes)."""
 
     def command(
         input_path: opt.InputArg, output: opt.OutputOpt = "-", *, config: RenderConfig, console: Console, job: dict[str, Any]
@@ -239,8 +240,9 @@ def stream(
 
 render_app = typer.Typer(
     name="render",
-    help="Render OpenAI requests into the prompt token ids a token-in engine takes, "
-    "as the render server's /v1/chat/completions/render and /v1/completions/render do.",
+    help="Render requests into the prompt token ids a token-in engine takes, "
+    "as the render server's /v1/chat/completions/render, /v1/completions/render, "
+    "/v1/messages/render and /v1/responses/render do.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
@@ -272,7 +274,56 @@ render_app.command("completion")(
         RENDER_JOB_OPTIONS,
     )
 )
+render_app.command("messages")(
+    _one_shot_command(
+        Endpoint.RENDER_MESSAGES,
+        """Render Anthropic Messages requests.
+
+        Each input line is the JSON body of POST /v1/messages/render (an
+        Anthropic Messages request). Output line i is the GenerateRequest, or
+        the server's error, for input record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
+render_app.command("responses")(
+    _one_shot_command(
+        Endpoint.RENDER_RESPONSES,
+        """Render OpenAI Responses requests.
+
+        Each input line is the JSON body of POST /v1/responses/render (an
+        OpenAI Responses request). Output line i is the GenerateRequest, or
+        the server's error, for input record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
 app.add_typer(render_app)
+app.command("tokenize")(
+    _one_shot_command(
+        Endpoint.TOKENIZE,
+        """Tokenize prompts or chats, as the render server's /tokenize does.
+
+        Each input line is the JSON body of POST /tokenize (a prompt, or
+        messages rendered by the chat template). Output line i is the
+        server's answer (tokens, count, max_model_len, token_strs), or its
+        error, for input record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
+app.command("detokenize")(
+    _one_shot_command(
+        Endpoint.DETOKENIZE,
+        """Detokenize token ids, as the render server's /detokenize does.
+
+        Each input line is the JSON body of POST /detokenize (tokens). Output
+        line i is the server's answer ({"prompt": text}), or its error, for
+        input record i.
+        """,
+        RENDER_JOB_OPTIONS,
+    )
+)
 
 
 @app.command()

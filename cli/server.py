@@ -163,7 +163,7 @@ def plan_call(argv: list[str]) -> Plan:
             command = command.get_command(context, name)
             renders = True
         else:
-            renders = False
+            renders = name in ("tokenize", "detokenize")  # the render half's endpoints
         if command is None:
             return Plan()
         params = command.make_context(name, rest, parent=context, resilient_parsing=True).params

@@ -225,7 +225,7 @@ class RecordProcessor:
         if job.endpoint.renders:
             # A request in, its GenerateRequest out: nothing to join or check.
             answer = engine.post(job.endpoint, record.payload)
-            return Outcome(answer, tokens=sum(map(len, rendered_token_ids(answer))) if answer.ok else 0)
+            return Outcome(answer, tokens=_tokens_handled(job.endpoint, record.payload, answer) if answer.ok else 0)
         try:
             body = derender_body(record.payload, job.endpoint, stream=job.stream, requests=job.requests)
         except RecordError as exc:
@@ -392,3 +392,14 @@ def run(
     if report.unfinished is not None:
         raise RunIncomplete(report)
     return report
+
+
+def _tokens_handled(endpoint: Endpoint, payload: Any, answer: Answer) -> int:
+    """The tokens a successful preprocessing call handled, for the
+    summary's rate: the prompt tokens rendered or tokenized, the ids
+    detokenized."""
+    if endpoint is Endpoint.TOKENIZE:
+        return int(answer.body["count"])
+    if endpoint is Endpoint.DETOKENIZE:
+        return len(payload["tokens"])
+    return sum(map(len, rendered_token_ids(answer)))
