@@ -289,3 +289,45 @@ def test_a_non_finite_prompt_after_a_null_one_is_refused_as_on_the_server(
     for live in (True, False):
         got = jsonl_answers(qwen3_stack.engine.in_mode(live=live), Job(endpoint, stream=True), lines)[0]
         assert normalize(got) == normalize([response.json() for response in expected]), f"live={live}"
+
+
+@requires_fast("live")
+@pytest.mark.parametrize("as_ids", [None, True, False])
+def test_odd_ids_and_tokens_as_ids_are_the_same_live_and_replayed(qwen3_stack: Stack, as_ids: bool | None) -> None:
+    """What vLLM 0.34 changed in the parsed stream's decode, live and
+    replayed alike: the detokenizer window carried as ids (seeded from a
+    prompt tail ending in a special token, read back as pieces), ids past the vocabulary skipped in a chunk, and
+    logprob tokens as ``token_id:N`` where the request asks (0.33 has
+    none of these and must still agree with itself)."""
+    b = qwen3_stack.builder
+    vocab = qwen3_stack.engine.vocab_size
+    messages = [{"role": "user", "content": "Say hi."}]
+    prompt = [*b.prompt_ids(messages), b.family.eos_id]
+    text = b.encode(b.answer("Hi ünïcödé 🌍 there."))
+    ids = [*text[:3], vocab + 7, *text[3:6], 10**6, *text[6:], b.family.eos_id]
+    request = b.chat_request(messages, stream=True, logprobs=True, top_logprobs=1)
+    if as_ids is not None:
+        request["return_tokens_as_token_ids"] = as_ids
+    plan = StreamPlan(
+        request_id="odd-ids", prompt=prompt, request=request, choices=[chunks_of(ids, [2, 3, 1, 4])], logprobs=True
+    )
+    bodies = [stream_body(plan, chunk, b.family.served_name) for chunk in generate_chunks(plan)]
+    live = assert_live_equals_replay(qwen3_stack.engine, Endpoint.CHAT, bodies)
+    tokens = [
+        entry["token"]
+        for answer in live
+        if "chunk" in answer
+        for choice in answer["chunk"]["choices"]
+        for entry in (choice["logprobs"] or {}).get("content") or ()
+    ]
+    assert tokens, [answer for answer in live if "error" in answer]
+    written_as_ids = all(token.startswith("token_id:") for token in tokens)
+    assert written_as_ids == (bool(as_ids) and _tokens_as_ids_supported()), tokens
+
+
+def _tokens_as_ids_supported() -> bool:
+    """Whether the installed vLLM's derender writes logprob tokens as ids
+    on request (0.34 on)."""
+    from vllm.renderers.online_derenderer import OnlineDerenderer
+
+    return hasattr(OnlineDerenderer, "_return_tokens_as_token_ids")

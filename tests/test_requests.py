@@ -285,7 +285,10 @@ def test_the_request_filled_in_is_the_one_the_engine_answers(qwen3_stack: Any) -
 @pytest.mark.parametrize(
     "raw",
     [
-        {"messages": [{"role": "user", "content": "x"}], "tools": []},  # vLLM refuses an empty list
+        # An empty list: refused by vLLM 0.33, dropped by 0.34 (tool_choice
+        # "auto" or "required" becoming "none").
+        {"messages": [{"role": "user", "content": "x"}], "tools": []},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
         {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},  # no tools
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},  # without logprobs
         {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True},
