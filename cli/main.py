@@ -34,7 +34,7 @@ from derender_core import (
     StreamFailure,
     read_items,
 )
-from derender_core.jobs import JobSpec, ParitySpec, WarmEngines, run_job, run_parity
+from derender_core.jobs import JobSpec, ParitySpec, RunStopped, WarmEngines, run_job, run_parity
 from derender_core.minimize import DEFAULT_STEPS, Minimal
 from derender_core.outputs import RunPaths
 from derender_core.parity import PATHS, Chunking
@@ -398,19 +398,19 @@ class Comparison:
         """Collects findings; on the way out, the table, the report and the page."""
         found = Findings()
         yield found
-        if self.report is not None:
+        if self.report is not None and not found.report_written:
             write_report(self.report, found.divergences)
         if self.html is not None:
             write_page(self.html, title, found)
         if not self.quiet:
-            print_table(console, found.divergences)
+            print_table(console, found.tally())
 
 
 @app.command()
 @with_render_options
 @with_shared_options(COMPARE_OPTIONS, "compare")
 def parity(
-    input_path: opt.OneInputArg,
+    input_paths: opt.ParityInputArg,
     endpoint: Annotated[
         opt.DerenderEndpoint, typer.Option("--endpoint", help="Chat or completion requests.")
     ] = opt.DerenderEndpoint.chat,
@@ -422,6 +422,12 @@ def parity(
     minimize: opt.MinimizeOpt = None,
     minimize_steps: opt.MinimizeStepsOpt = DEFAULT_STEPS,
     repro: opt.ReproOpt = None,
+    minimize_all: opt.MinimizeAllOpt = False,
+    workers: opt.WorkersOpt = None,
+    resume: opt.ResumeOpt = False,
+    ray: opt.RayOpt = False,
+    ray_address: opt.RayAddressOpt = None,
+    ray_actors: opt.RayActorsOpt = None,
     *,
     config: RenderConfig,
     console: Console,
@@ -432,18 +438,25 @@ def parity(
     Paths: oneshot (the one-shot derender endpoint), reference (the same on
     vLLM's own per-token decode), replay and live (the streaming derender
     endpoint in each mode, assembled; replay is vLLM's own path), serve and
-    serve-oneshot (vllm serve's own handlers, streamed and not). Exit 1 when
+    serve-oneshot (vllm serve's own handlers, streamed and not). Divergences
+    are grouped into classes (pair of paths, field, a signature of the
+    values). -j N runs the paths on N forked workers, --ray on a cluster;
+    the report, the page and the minimal records are the same. Exit 1 when
     any divergence remains (or a record cannot be compared), 0 when none.
     """
     comparison = Comparison.of(compare)
     spec = ParitySpec(
-        input_path, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
+        input_paths, Endpoint(endpoint.value), paths=paths or PATHS, chunkings=Chunking.parse_list(chunking),
         ignore=comparison.ignore, normalization=comparison.normalization,
         requests=None if requests is None else str(requests), stream=stream, recorded=recorded,
         examine=comparison.html is not None, minimize=minimize, minimize_steps=minimize_steps, repro=repro,
-        outputs=comparison.outputs,
+        every_minimal=minimize_all, report=comparison.report, keep_divergences=False, workers=workers or 1,
+        resume=resume, ray=ray, ray_address=ray_address, ray_actors=ray_actors,
+        outputs=(("--html", comparison.html),),
     )  # fmt: skip
-    with comparison.output(console, f"derender parity: {recorded or input_path}") as found:
+    title = f"derender parity: {recorded or ' '.join(input_paths)}"
+    with comparison.output(console, title) as found:
+        found.report_written = True
 
         def skipped(request: Any) -> None:
             console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
@@ -453,20 +466,31 @@ def parity(
             if not comparison.quiet:
                 print_minimal(console, minimal)
 
-        result = run_parity(config, spec, skipped, warm=warm_engines, on_minimized=minimized)
-        found.divergences += result.divergences
+        try:
+            with ProgressDisplay(console, enabled=not comparison.quiet) as progress:
+                result = run_parity(config, spec, skipped, warm=warm_engines, on_minimized=minimized, observer=progress)
+        except RunStopped as stopped:
+            console.print(
+                f"derender: parity: stopped after {stopped.result.requests} requests"
+                + (f"; --resume continues {spec.report}" if spec.report not in (None, "-") else ""),
+                markup=False,
+            )
+            raise typer.Exit(128 + stopped.signum) from None
+        found.classes, found.shown = result.classes, result.page_shown()
         found.examinations, found.pieces = result.examinations, result.pieces
         summary = (
-            f"{result.requests} requests, {len(found.divergences)} divergences, "
+            f"{result.requests} requests, {result.divergence_count} divergences, "
             f"{result.not_compared} not compared; paths {', '.join(spec.paths)}"
         )
+        if result.resumed:
+            summary += f"; {result.resumed} resumed"
         found.subtitle = summary  # the page says how its streams were cut, from what ran
     if not comparison.quiet:
         console.print(f"derender: parity: {summary}", markup=False)
         print_log_kinds(console, [(kind, f"request {first!r}") for kind, first in result.logs], "while the paths ran")
         if spec.minimizing:
             print_minimized(console, result.minimized, spec.minimize, spec.repro)
-    return ExitStatus.RECORDS_FAILED if found.divergences or result.not_compared else ExitStatus.OK
+    return ExitStatus.RECORDS_FAILED if result.divergence_count or result.not_compared else ExitStatus.OK
 
 
 @app.command()

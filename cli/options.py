@@ -105,6 +105,23 @@ OneInputArg = Annotated[
         show_default=False,
     ),
 ]
+ParityInputArg = Annotated[
+    list[str],
+    typer.Argument(
+        metavar="INPUT...",
+        help="JSONL, SSE capture or .parquet to read; - for stdin. Gzip and zstd are detected. "
+        "Several inputs (shards) are compared as one input, in order.",
+        show_default=False,
+    ),
+]
+MinimizeAllOpt = Annotated[
+    bool,
+    typer.Option(
+        "--minimize-all",
+        help="--minimize and --repro take every request's every kind of divergence, not one "
+        "record per class (the first request that shows it).",
+    ),
+]
 OutputOpt = Annotated[
     str,
     typer.Option(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from derender_core import Divergence
-from derender_core.compare import Examination, json_text
-from derender_core.html_report import build_page
+from derender_core.compare import Classes, Examination, json_text, report_line
+from derender_core.html_report import Shown, build_page
 from derender_core.minimize import Minimal
 from derender_core.records import open_output
 
@@ -31,40 +30,60 @@ class Findings:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(request, why) for each request that could not be compared."""
     subtitle: str = ""
+    classes: Classes | None = None
+    """Every divergence counted by class and kind (parity's, kept as it
+    ran); else counted here from `divergences`."""
+    shown: Shown | None = None
+    """Where `examinations` sit in a larger run (parity: the page's examples)."""
+    report_written: bool = False
+    """The report was written as the run went (parity)."""
+
+    def tally(self) -> Classes:
+        if self.classes is None:
+            classes = Classes()
+            for examination in self.examinations or [Examination(None, divergences=self.divergences)]:
+                classes.add(examination.divergences)
+            self.classes = classes
+        return self.classes
 
 
 def write_page(path: str, title: str, findings: Findings) -> None:
     """The ``--html`` page: one self-contained file."""
     page = build_page(
-        findings.examinations, title=title, subtitle=findings.subtitle, pieces=findings.pieces, skipped=findings.skipped
-    )
+        findings.examinations, title=title, subtitle=findings.subtitle, pieces=findings.pieces, skipped=findings.skipped,
+        shown=findings.shown,
+    )  # fmt: skip
     with open_output(path) as target:
         target.write(page.encode())
 
 
 def write_report(path: str, divergences: list[Divergence]) -> None:
-    """One JSON line per divergence, its values whole. A lone surrogate an
-    answer held is written as its JSON escape (``\\udc80``): the line stays
-    UTF-8, and reads back as the same string."""
+    """One JSON line per divergence (`compare.report_line`), its values whole."""
     with open_output(path) as target:
         for divergence in divergences:
-            target.write(json_text(divergence.to_json()).encode("utf-8", "backslashreplace") + b"\n")
+            target.write(report_line(divergence))
 
 
-def print_table(console: Console, divergences: list[Divergence]) -> None:
-    """Grouped by kind (paths and field), largest groups first."""
-    if not divergences:
+def print_table(console: Console, classes: Classes) -> None:
+    """The classes (divergences, requests, first request ids), then the
+    divergences by kind (paths and field), largest groups first, each
+    with its first `compare.ROWS_KEPT` rows."""
+    if not classes.divergences:
         return
-    groups: dict[str, list[Divergence]] = defaultdict(list)
-    for divergence in divergences:
-        groups[divergence.kind].append(divergence)
+    summary = Table(title="classes of divergences", show_lines=False, expand=False)
+    for column in ("class", "divergences", "requests", "first requests"):
+        summary.add_column(column, overflow="fold")
+    for tally in classes.ordered():
+        ids = ", ".join("—" if i is None else _cell(str(i), VALUE_WIDTH // 2) for i in tally.ids)
+        more = "" if tally.requests <= len(tally.ids) else ", …"
+        summary.add_row(Text(_cell(tally.name, 2 * VALUE_WIDTH)), str(tally.divergences), str(tally.requests), Text(ids + more))
     table = Table(title="divergences", show_lines=False, expand=False)
     for column in ("request", "index", "chunking", "left", "right"):
         table.add_column(column, overflow="fold")
-    for kind, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+    for kind, group in sorted(classes.kinds.items(), key=lambda item: (-item[1].count, item[0])):
         table.add_section()
-        table.add_row(Text(_cell(f"{kind} ({len(members)})", 2 * VALUE_WIDTH), style="bold"), "", "", "", "")
-        for divergence in members:
+        table.add_row(Text(_cell(f"{kind} ({group.count})", 2 * VALUE_WIDTH), style="bold"), "", "", "", "")
+        for divergence in group.rows:
             left, right = _differing(divergence.left_value, divergence.right_value)
             table.add_row(
                 Text(_cell(str(divergence.request_id), 2 * VALUE_WIDTH)),
@@ -73,6 +92,8 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
                 Text(_short(left)),
                 Text(_short(right)),
             )
+        if group.count > len(group.rows):
+            table.add_row(Text(f"… {group.count - len(group.rows)} more (in --report)"), "", "", "", "")
     # Wide enough for a kind and two values per row, on a terminal or not.
     wide = Console(
         file=console.file,
@@ -80,6 +101,7 @@ def print_table(console: Console, divergences: list[Divergence]) -> None:
         highlight=False,
         force_terminal=console.is_terminal,
     )
+    wide.print(summary)
     wide.print(table)
 
 

@@ -130,6 +130,9 @@ class Examination:
     """Per chunking: the token ids each stream call carried, per choice index."""
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     """The one-shot body's token ids, per choice index."""
+    logs: tuple[Any, ...] = ()
+    """vLLM's log records while the paths ran (`logs.LogLine`), counted
+    where the examinations come together, in input order."""
 
     def side(self, path: str, chunking: str | None) -> Observed | None:
         """What `path` answered under `chunking` (a one-shot path under any)."""

@@ -26,6 +26,7 @@ from itertools import accumulate
 from typing import Any
 
 from .compare import (
+    Classes,
     Divergence,
     Examination,
     Observed,
@@ -575,6 +576,24 @@ def _response_fields(response: Mapping[str, Any]) -> dict[tuple[int | None, str]
     return found
 
 
+@dataclass(frozen=True)
+class Shown:
+    """Where the examinations a page shows sit in a larger run: each one's
+    number among the requests compared and the number of its first
+    divergence (its line in the report), the run's classes, how many
+    requests it compared, and per class the ids of requests not shown
+    (the first `IDS_SHOWN` of them, and how many in all)."""
+
+    numbers: Sequence[tuple[int, int]]
+    classes: Classes
+    requests: int
+    more: Mapping[str, tuple[Sequence[str | None], int]] = field(default_factory=dict)
+
+
+IDS_SHOWN = 200
+"""Request ids a class lists on the page beyond its examples."""
+
+
 def build_page(
     examinations: Sequence[Examination],
     *,
@@ -582,32 +601,40 @@ def build_page(
     subtitle: str = "",
     pieces: Mapping[int, str] | None = None,
     skipped: Iterable[tuple[str, str]] = (),
+    shown: Shown | None = None,
 ) -> str:
-    """The page: a summary by kind and pair of paths, filters, and a
-    collapsed section per request with a divergence; divergence ``n`` (from
-    1, in the examinations' order: the report's) has the anchor ``d-<n>``.
-    `pieces` maps token ids to their vocabulary pieces; `skipped` lists
-    (request, why) for requests that could not be compared."""
+    """The page: the classes of divergences, a summary by kind and pair of
+    paths, filters, and a collapsed section per request with a divergence;
+    divergence ``n`` (from 1, in the examinations' order: the report's) has
+    the anchor ``d-<n>``. `pieces` maps token ids to their vocabulary
+    pieces; `skipped` lists (request, why) for requests that could not be
+    compared. `shown` places the examinations in a larger run, whose
+    classes and counts the page then gives (the rest of its requests as
+    ids only)."""
     page = _Page(pieces)
     numbered: list[list[_Numbered]] = []
-    count = 0
-    for examination in examinations:
-        items = []
-        for divergence in examination.divergences:
-            count += 1
-            items.append(_Numbered(count, divergence))
-        numbered.append(items)
+    if shown is None:
+        classes = Classes()
+        for examination in examinations:
+            classes.add(examination.divergences)
+        starts = accumulate((len(e.divergences) for e in examinations), initial=1)
+        positions = [(n, start) for (n, _), start in zip(enumerate(examinations, 1), starts)]
+        requests, more = len(examinations), {}
+    else:
+        classes, positions, requests, more = shown.classes, list(shown.numbers), shown.requests, shown.more
+    for examination, (_, start) in zip(examinations, positions, strict=True):
+        numbered.append([_Numbered(start + offset, d) for offset, d in enumerate(examination.divergences)])
     every = [n for items in numbered for n in items]
     page.w(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head>",
-        f'<body data-total="{count}"><header><h1>{_esc(title)}</h1>',
+        f'<body data-total="{len(every)}"><header><h1>{_esc(title)}</h1>',
         f'<div class="sub">{_esc(subtitle)}</div>' if subtitle else "",
         *(f'<div class="sub">{_esc(line)}</div>' for line in _chunkings(examinations)),
         "</header>",
     )
-    _summary(page, every, sum(1 for items in numbered if items), len(examinations))
+    _summary(page, every, classes, requests, more)
     skipped = list(skipped)
     if skipped:
         page.w(f'<details class="skipped"><summary>{len(skipped)} request(s) not compared</summary><ul>')
@@ -615,7 +642,7 @@ def build_page(
         page.w("</ul></details>")
     page.w('<main id="requests">')
     first = True
-    for number, (examination, items) in enumerate(zip(examinations, numbered, strict=True), 1):
+    for (number, _), examination, items in zip(positions, examinations, numbered, strict=True):
         if items:
             page.request(number, examination, items, open_=first)
             first = False
@@ -637,43 +664,50 @@ def _kind(d: Divergence) -> str:
     return f"{d.left} vs {d.right}: {_name(d.field)}"
 
 
-def _summary(page: _Page, every: list[_Numbered], with_divergences: int, requests: int) -> None:
-    kinds: dict[tuple[str, str, str], list[_Numbered]] = {}
-    for item in every:
-        d = item.divergence
-        kinds.setdefault((d.left, d.right, _name(d.field)), []).append(item)
+def _summary(
+    page: _Page, every: list[_Numbered], classes: Classes, requests: int,
+    more: Mapping[str, tuple[Sequence[str | None], int]],
+) -> None:  # fmt: skip
+    count, with_divergences = classes.divergences, classes.requests_with
     paths = list(dict.fromkeys(p for d in (n.divergence for n in every) for p in (d.left, d.right)))
     page.w(
-        f'<section class="summary"><p><b>{len(every)}</b> divergence{"" if len(every) == 1 else "s"} in ',
+        f'<section class="summary"><p><b>{count}</b> divergence{"" if count == 1 else "s"} in ',
         f"<b>{with_divergences}</b> of {requests} request{'' if requests == 1 else 's'} compared.</p>",
     )
-    if not every:
+    if not count:
         page.w("<p>No divergences.</p></section>")
         return
-    pairs: dict[tuple[str, str], list[list[_Numbered]]] = {}
-    for (left, right, _), members in kinds.items():
-        pairs.setdefault((left, right), []).append(members)
+    _classes(page, classes, more)
+    kinds: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for tally in classes.kinds.values():
+        d = tally.rows[0]
+        count, first = kinds.get((d.left, d.right, _name(d.field)), (0, tally.first_number))
+        kinds[(d.left, d.right, _name(d.field))] = (count + tally.count, first)
+    pairs: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
+    for (left, right, name), (count, first) in kinds.items():
+        pairs.setdefault((left, right), []).append((name, count, first))
     page.w(
         '<table class="sum"><thead><tr><th>pair of paths</th><th>divergences</th><th>requests</th>',
         "<th>fields (click: filter and go to the first)</th></tr></thead><tbody>",
     )
     for (left, right), groups in pairs.items():
-        groups.sort(key=lambda members: (-len(members), members[0].divergence.field))
-        requests_hit = len({m.divergence.request_id for members in groups for m in members})
+        groups.sort(key=lambda group: (-group[1], group[0]))
+        requests_hit = classes.pairs.get((left, right), 0)
         page.w(
-            f"<tr><td>{_esc(left)} vs {_esc(right)}</td><td class=\"n\">{sum(len(m) for m in groups)}</td>",
+            f"<tr><td>{_esc(left)} vs {_esc(right)}</td><td class=\"n\">{sum(g[1] for g in groups)}</td>",
             f'<td class="n">{requests_hit}</td><td>',
             *(
-                f'<a class="kchip" href="#d-{m[0].number}" data-kind="{_esc(_kind(m[0].divergence))}">'
-                f"{_esc(_name(m[0].divergence.field))} <b>{len(m)}</b></a>"
-                for m in groups
+                f'<a class="kchip" href="#d-{number}" data-kind="{_esc(f"{left} vs {right}: {name}")}">'
+                f"{_esc(name)} <b>{count}</b></a>"
+                for name, count, number in groups
             ),
             "</td></tr>",
         )
     page.w("</tbody></table>")
+    shown_kinds = Counter(_kind(n.divergence) for n in every)
     page.w(
         '<form class="filters" onsubmit="return false"><label>kind <select id="f-kind"><option value="">all</option>',
-        *(f'<option value="{_esc(_kind(m[0].divergence))}">{_esc(_kind(m[0].divergence))} ({len(m)})</option>' for m in kinds.values()),
+        *(f'<option value="{_esc(kind)}">{_esc(kind)} ({count})</option>' for kind, count in shown_kinds.items()),
         '</select></label> <label>path <select id="f-path"><option value="">all</option>',
         *(f'<option value="{_esc(p)}">{_esc(p)}</option>' for p in paths),
         '</select></label> <label>request <input id="f-request" type="search" placeholder="id contains"></label> ',
@@ -682,6 +716,33 @@ def _summary(page: _Page, every: list[_Numbered], with_divergences: int, request
         '<label><input type="checkbox" id="f-same"> equal fields</label> ',
         f'<span id="shown">{len(every)} of {len(every)} shown</span></form></section>',
     )
+
+
+def _classes(page: _Page, classes: Classes, more: Mapping[str, tuple[Sequence[str | None], int]]) -> None:
+    """The classes table: per class its divergences, requests, a link to its
+    first example and the first request ids; the requests not shown in
+    full, as ids."""
+    page.w(
+        '<table class="sum classes"><thead><tr><th>class</th><th>divergences</th><th>requests</th>',
+        "<th>first requests (click: its first divergence)</th></tr></thead><tbody>",
+    )
+    for tally in classes.ordered():
+        number, count, requests = tally.first_number, tally.divergences, tally.requests
+        page.w(
+            f'<tr><td><a href="#d-{number}">{_esc(_cut(tally.name, CELL_CHARS))}</a></td>',
+            f'<td class="n">{count}</td><td class="n">{requests}</td>',
+            f"<td>{_esc(', '.join('—' if i is None else _name(i) for i in tally.ids))}",
+        )
+        ids, count = more.get(tally.name, ((), 0))
+        if count:
+            listed = ", ".join("—" if i is None else _name(i) for i in ids)
+            listed += f" and {count - len(ids)} more (in the report)" if count > len(ids) else ""
+            page.w(
+                f'<details class="more"><summary>{count} not shown</summary>',
+                f'<div class="ids">{_esc(listed)}</div></details>',
+            )
+        page.w("</td></tr>")
+    page.w("</tbody></table>")
 
 
 _CSS = """

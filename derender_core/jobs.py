@@ -14,20 +14,24 @@ error (`DerenderError`) with nothing processed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
+import pickle
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
-from .compare import DEFAULT_NORMALIZATION, Divergence, Examination, Normalization
+from .compare import DEFAULT_NORMALIZATION, Classes, Divergence, Examination, Normalization, class_of, report_line
 from .config import RenderConfig
 from .datasets import (
     Input,
@@ -43,7 +47,8 @@ from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .logs import LogKind
 from .minimize import DEFAULT_STEPS, Minimal, Minimizer, json_bytes
 from .outputs import RunPaths
-from .parity import DERENDER_MODES, PATHS, Chunking, Parity, Request, from_serve, requests_of
+from .html_report import IDS_SHOWN, Shown
+from .parity import DERENDER_MODES, PATHS, Chunking, LogTally, Parity, Request, from_serve, requests_of
 from .protocol import Derenderer, Endpoint
 from .records import (
     RequestIndex,
@@ -66,7 +71,8 @@ from .resume import (
     run_manifest,
     skip_answered,
 )
-from .workers import WorkerPool, check_workers, usable_cpus
+from .workers import WorkerLost, WorkerPool, check_workers, usable_cpus
+from .workers import _die_with_parent as die_with_parent
 from .writers import AssembledWriter, ErrorLog, JsonlWriter, SseWriter, Writer
 
 if TYPE_CHECKING:
@@ -626,9 +632,10 @@ class ParitySpec:
     """What ``derender parity`` compares: an input's token ids run through
     `paths`, or recorded ``vllm serve`` answers (`recorded`) through them."""
 
-    input: str
+    input: str | Sequence[str]
     """Derender bodies, bare generate output (with `requests`), or with
-    `recorded` the requests file."""
+    `recorded` the requests file; several inputs (shards) run as one
+    input, in order."""
     endpoint: Endpoint = Endpoint.CHAT
     paths: Sequence[str] = PATHS
     chunkings: Sequence[Chunking] = (Chunking(1),)
@@ -640,50 +647,117 @@ class ParitySpec:
     """With `requests`: the input holds generate stream chunks."""
     recorded: str | None = None
     examine: bool = False
-    """Keep each request's `Examination` (what every path answered) and the
-    pieces of its token ids, for a page that shows them; without it memory
-    stays flat."""
+    """Keep the `Examination` (what every path answered) of each class's
+    first `EXAMPLES_PER_CLASS` requests and the pieces of their token ids,
+    for a page that shows them; memory stays flat either way."""
     minimize: str | None = None
-    """Write each divergence's smallest record here (`minimize`), in the
-    input's form."""
+    """Write each divergence class's smallest record here (`minimize`), in
+    the input's form."""
     minimize_steps: int = DEFAULT_STEPS
     """Oracle runs per divergence the minimization may spend."""
     repro: str | None = None
     """Write a report per minimal divergence into this directory (`repro`)."""
+    every_minimal: bool = False
+    """Minimize every request's every kind, not one record per class (memory
+    then grows with the diverging requests)."""
+    report: str | None = None
+    """Write every divergence here as it is found, one JSON line each."""
+    keep_divergences: bool = True
+    """Keep every divergence in `ParityResult.divergences` (for library
+    callers); the command line streams them to `report` instead."""
+    workers: int = 1
+    """Processes that run the paths: 1 in this one; more are forked after
+    the render stack is built (each builds its own serve stack)."""
+    resume: bool = False
+    """Continue the `report` an earlier, stopped run left (its checkpoint
+    beside it): the requests it covers are skipped."""
+    ray: bool = False
+    ray_address: str | None = None
+    ray_actors: int | None = None
     outputs: Sequence[tuple[str, str | None]] = ()
     """Files the caller writes from the result (flag, path; the command
-    line's ``--report`` and ``--html``), checked with the run's own outputs
-    before anything runs (`RunPaths`)."""
+    line's ``--html``), checked with the run's own outputs before anything
+    runs (`RunPaths`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", parity_paths(self.paths))
         object.__setattr__(self, "endpoint", _checked_endpoint(self.endpoint))
+        if not self.inputs:
+            raise InputError("no input: name at least one file, or - for stdin")
         if (self.minimize is not None or self.repro is not None) and self.recorded is not None:
             raise InputError("--minimize and --repro take derender bodies, not recorded serve answers (--from-serve)")
         if self.minimize == "-":
             raise InputError("--minimize needs a file path: stdout is not used by parity")
         if isinstance(self.minimize_steps, bool) or not isinstance(self.minimize_steps, int) or self.minimize_steps < 1:
             raise ConfigError(f"--minimize-steps must be a whole number of at least 1, got {self.minimize_steps!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"--workers must be a whole number of at least 1, got {self.workers!r}")
+        if self.resume:
+            if self.report is None or self.report == "-" or self.report.endswith((".gz", ".zst")):
+                raise InputError("--resume continues a plain --report FILE.jsonl: name one")
+            if self.examine or self.minimizing:
+                raise InputError(
+                    "--resume continues the report only: --html, --minimize and --repro need what every path "
+                    "answered for the requests already done; run them afresh"
+                )
+        if self.ray and (self.requests is not None or self.recorded is not None or "-" in self.inputs):
+            raise InputError("--ray reads derender bodies from files: no --requests, --from-serve or stdin")
+        if self.ray and self.resume:
+            raise InputError("--resume is not supported with --ray: start afresh, or resume locally")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.input,) if isinstance(self.input, str) else tuple(self.input)
 
     @property
     def minimizing(self) -> bool:
         return self.minimize is not None or self.repro is not None
 
 
+EXAMPLES_PER_CLASS = 3
+"""Requests of each class the page shows in full (`ParitySpec.examine`)."""
+_CHECKPOINT_SECONDS = 2.0
+_POOL_CHUNK = 4
+"""Requests per message to a parity worker."""
+
+
 @dataclass
 class ParityResult:
     divergences: list[Divergence] = field(default_factory=list)
+    """Every divergence, with `ParitySpec.keep_divergences`."""
     requests: int = 0
     not_compared: int = 0
+    classes: Classes = field(default_factory=Classes)
+    """Every divergence counted by class and by kind."""
     examinations: list[Examination] = field(default_factory=list)
-    """With `ParitySpec.examine`: every compared request's examination, in order."""
+    """With `ParitySpec.examine`: the examinations the page shows (each
+    class's first `EXAMPLES_PER_CLASS` requests), in order."""
+    shown: list[tuple[int, int]] = field(default_factory=list)
+    """Per kept examination: its number among the requests compared, and
+    its first divergence's number (its line in the report)."""
+    more: dict[str, tuple[list[str | None], int]] = field(default_factory=dict)
+    """Per class: the first `html_report.IDS_SHOWN` requests beyond its
+    examples, and how many there are."""
+    compared: int = 0
+    """Requests compared (those that could run)."""
     pieces: dict[int, str] = field(default_factory=dict)
-    """With `ParitySpec.examine`: each token id's piece in the tokenizer's vocabulary."""
+    """With `ParitySpec.examine`: the pieces of the shown token ids."""
     minimized: list[Minimal] = field(default_factory=list)
-    """With `ParitySpec.minimize` or `repro`: each request's smallest record per divergence kind."""
+    """With `ParitySpec.minimize` or `repro`: a smallest record per class
+    (per request and kind with `every_minimal`)."""
     logs: list[tuple[LogKind, str]] = field(default_factory=list)
     """vLLM's log records while the paths ran, counted per kind, with the
-    request that first logged each (`Parity.logs`)."""
+    request that first logged each (`LogTally`)."""
+    resumed: int = 0
+    """Requests an earlier run had compared (`ParitySpec.resume`)."""
+
+    @property
+    def divergence_count(self) -> int:
+        return self.classes.divergences
+
+    def page_shown(self) -> Shown:
+        """Where the kept examinations sit in the run, for `build_page`."""
+        return Shown(self.shown, self.classes, self.compared, self.more)
 
 
 def parity_paths(names: Iterable[str]) -> list[str]:
@@ -704,72 +778,454 @@ def run_parity(
     *,
     warm: WarmEngines | None = None,
     on_minimized: Callable[[Minimal], None] | None = None,
+    observer: Observer | None = None,
 ) -> ParityResult:
-    """Every request of the input through every path, compared. `on_skip`
-    hears of each request that cannot be compared (and why). With
-    `spec.minimize` or `spec.repro`, each request's divergences are then
-    minimized kind by kind (`on_minimized` hears of each), and written."""
+    """Every request of the inputs through every path, compared, here, on
+    forked workers or on Ray: each examination comes back in input order and
+    is taken the same way wherever it ran, so the report, the page and the
+    minimal records are the same. `on_skip` hears of each request that
+    cannot be compared (and why). With `spec.minimize` or `spec.repro`, the
+    first request of each class (every request's every kind with
+    `spec.every_minimal`) is then minimized (`on_minimized` hears of each),
+    and written."""
+    observer = observer or Silent()
     result = ParityResult()
+    plain = spec.report is not None and spec.report != "-" and not spec.report.endswith((".gz", ".zst"))
+    checkpoint = _checkpoint_path(spec.report) if plain and spec.report is not None else None
     run_paths = RunPaths(
-        [("INPUT", spec.input), ("--requests", spec.requests)],
-        [("--minimize", spec.minimize), *spec.outputs],
+        [*(("INPUT", path) for path in spec.inputs), ("--requests", spec.requests)],
+        [("--minimize", spec.minimize), ("--report", spec.report), ("the checkpoint of --report", checkpoint),
+         *spec.outputs],
         [("--repro", spec.repro)],
         read=[("--from-serve", spec.recorded), *config_files(config)],
     )  # fmt: skip
+    for path in spec.inputs:
+        if path != "-" and not os.path.exists(path):
+            raise InputError(f"cannot open input {path}: no such file")
+        check_input(path)
+    if spec.workers > 1 and not spec.ray:
+        check_workers(spec.workers)
+    run_key = _parity_run_key(config, spec)
+    done, report_bytes = _resumed(spec, checkpoint, run_key) if spec.resume else (0, 0)
     if spec.repro is not None:
         prepare_repro(spec.repro)
-    diverging: list[tuple[Request, list[Divergence]]] = []
+    minimize: dict[str, tuple[Request, list[Divergence]]] = {}
+    every: list[tuple[Request, list[Divergence]]] = []
+    tally = LogTally()
     with contextlib.ExitStack() as resources:
-        engines = _parity_engines(config, spec.paths, resources, warm)
-        checker = Parity(engines, spec.endpoint, ignore=spec.ignore, normalization=spec.normalization)
+        if spec.report is not None:
+            if done:
+                _read_back(spec.report, report_bytes, result)
+            sink = resources.enter_context(open_output(spec.report, append=done > 0))
+        observer.loading(config.model or "")
+        pooled = spec.workers > 1 and not spec.ray
+        engines = {} if spec.ray else _parity_engines(config, spec.paths, resources, warm, serve=not pooled)
         requests = None
         if spec.recorded is not None or spec.requests is not None:
-            requests = RequestIndex(spec.input if spec.recorded is not None else str(spec.requests))
+            requests = RequestIndex(spec.input if spec.recorded is not None else str(spec.requests))  # type: ignore[arg-type]
             resources.callback(requests.close)
-        if spec.recorded is not None:
-            assert requests is not None
-            inputs = from_serve(read_items(spec.recorded), spec.endpoint, requests)
+        stop = resources.enter_context(stop_on_signals(observer.stopping))
+        inputs: Iterator[Request] = until_stopped(_parity_requests(spec, requests, resources, observer), stop)
+        work = ParityWork(tuple(spec.paths), spec.endpoint, frozenset(spec.ignore), spec.normalization)
+        if spec.ray:
+            examined = _parity_on_ray(config, spec, work, inputs, result, done, on_skip)
+        elif pooled:
+            pool = resources.enter_context(_ParityPool(config, engines, work, spec.workers, requests))
+            examined = pool.examined(_skipping(inputs, result, done, on_skip))
         else:
-            source = resources.enter_context(open_input(spec.input))
-            inputs = requests_of(
-                iter_records(source), spec.endpoint, stream=spec.stream, requests=requests, chunkings=list(spec.chunkings)
-            )  # fmt: skip
-        pieces_of = getattr(next(iter(engines.values())), "token_pieces", None)
-        for request in inputs:
-            result.requests += 1
-            if request.problem is not None:
-                result.not_compared += 1
-                if on_skip is not None:
-                    on_skip(request)
-                continue
-            if spec.examine:
-                examination = checker.examine(request)
-                found = examination.divergences
-                result.examinations.append(examination)
-                if pieces_of is not None:
-                    result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
-            else:
-                found = checker.run(request)
-            result.divergences += found
+            checker = work.checker(engines)
+            examined = ((r, checker.examine(r)) for r in _skipping(inputs, result, done, on_skip))
+        progress = Report()
+        started = time.perf_counter()
+        last_checkpoint = started
+        through = done
+        for request, examination in examined:
+            through = request.number
+            tally.add(request.request_id, examination.logs)
+            result.compared += 1
+            found = examination.divergences
+            first_number = result.classes.divergences + 1
+            names = result.classes.add(found)
+            if spec.report is not None:
+                for divergence in found:
+                    report_bytes += sink.write(report_line(divergence))
+            if spec.keep_divergences:
+                result.divergences += found
+            _keep_for_page(spec, result, examination, names, first_number)
             if found and spec.minimizing:
-                diverging.append((request, found))
-        result.logs = checker.logs
+                if spec.every_minimal:
+                    every.append((request, found))
+                for name in dict.fromkeys(names):
+                    if result.classes.classes[name].requests == 1:
+                        minimize[name] = (request, found)
+            progress.records = result.requests
+            progress.elapsed = time.perf_counter() - started
+            observer.update(progress)
+            if checkpoint is not None and progress.elapsed + started - last_checkpoint >= _CHECKPOINT_SECONDS:
+                last_checkpoint = time.perf_counter()
+                sink.flush()
+                _write_checkpoint(checkpoint, run_key, through, report_bytes)
+        if checkpoint is not None:
+            sink.flush()
+            _write_checkpoint(checkpoint, run_key, through if stop else result.requests, report_bytes, finished=not stop)
+        result.logs = tally.kinds
+        if stop:
+            raise RunStopped(stop.signal or 0, result)
+        if spec.examine:
+            pieces_of = next((getattr(e, "token_pieces", None) for e in engines.values()), None)
+            if pieces_of is None and spec.ray:
+                pieces_of = _parity_engines(config, spec.paths[:1], resources, warm, serve=False)[spec.paths[0]].token_pieces  # type: ignore[attr-defined]
+            if pieces_of is not None:
+                for examination in result.examinations:
+                    result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
         if spec.minimizing:
+            if pooled or spec.ray:
+                engines = _parity_engines(config, spec.paths, resources, warm, serve=True)
             minimizer = Minimizer(
                 engines, spec.endpoint, chunkings=spec.chunkings, ignore=spec.ignore,
                 normalization=spec.normalization, steps=spec.minimize_steps,
             )  # fmt: skip
-            for request, found in diverging:
-                for divergence in minimizer.kinds(found):
-                    minimal = minimizer.minimize(request, divergence, found)
-                    result.minimized.append(minimal)
-                    if on_minimized is not None:
-                        on_minimized(minimal)
+            for request, divergence, alike in _to_minimize(spec, minimize, every, minimizer):
+                minimal = minimizer.minimize(request, divergence, alike)
+                result.minimized.append(minimal)
+                if on_minimized is not None:
+                    on_minimized(minimal)
     if spec.minimize is not None:
         write_minimal(spec.minimize, result.minimized)
     if spec.repro is not None:
         write_repro(spec.repro, result.minimized, config, spec.endpoint, parity_flags(spec), run_paths.claimed)
     return result
+
+
+class RunStopped(Exception):
+    """A parity run stopped by a signal: the report (and its checkpoint)
+    holds the requests compared before it, for ``--resume``."""
+
+    def __init__(self, signum: int, result: ParityResult) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.result = result
+
+
+def _to_minimize(
+    spec: ParitySpec,
+    firsts: Mapping[str, tuple[Request, list[Divergence]]],
+    every: list[tuple[Request, list[Divergence]]],
+    minimizer: Minimizer,
+) -> Iterator[tuple[Request, Divergence, list[Divergence]]]:
+    """What to minimize, in report order: each class's first divergence on
+    the first request that shows it, or with `every_minimal` the first
+    divergence of each kind on every request. A class whose request already
+    has a minimal record of its kind is left to that record (it would get
+    the same id)."""
+    if spec.every_minimal:
+        for request, found in every:
+            for divergence in minimizer.kinds(found):
+                yield request, divergence, found
+        return
+    taken: set[tuple[str | None, str]] = set()
+    for name, (request, found) in firsts.items():  # filled in report order
+        members = [d for d in found if class_of(d) == name]
+        key = (request.request_id, members[0].kind)
+        if key not in taken:
+            taken.add(key)
+            yield request, members[0], members
+
+
+def _keep_for_page(spec: ParitySpec, result: ParityResult, examination: Examination, names: list[str], first: int) -> None:
+    """Keep `examination` for the page while it is among the first
+    `EXAMPLES_PER_CLASS` of one of its classes; otherwise list its id
+    under each of its classes."""
+    if not spec.examine or not names:
+        return
+    classes = result.classes.classes
+    if any(classes[name].requests <= EXAMPLES_PER_CLASS for name in names):
+        result.examinations.append(examination)
+        result.shown.append((result.compared, first))
+        return
+    for name in dict.fromkeys(names):
+        ids, count = result.more.get(name, ([], 0))
+        if len(ids) < IDS_SHOWN:
+            ids.append(examination.request_id)
+        result.more[name] = (ids, count + 1)
+
+
+def _skipping(
+    inputs: Iterable[Request], result: ParityResult, done: int, on_skip: Callable[[Request], None] | None
+) -> Iterator[Request]:
+    """The requests that can be compared; the others are counted and told
+    to `on_skip`, and the first `done` (a resumed run's) are passed over."""
+    for request in inputs:
+        result.requests += 1
+        request.number = result.requests
+        if result.requests <= done:
+            result.resumed += 1
+            if request.problem is not None:
+                result.not_compared += 1
+            continue
+        if request.problem is not None:
+            result.not_compared += 1
+            if on_skip is not None:
+                on_skip(request)
+            continue
+        yield request
+
+
+def _parity_requests(
+    spec: ParitySpec, requests: RequestIndex | None, resources: contextlib.ExitStack, observer: Observer
+) -> Iterator[Request]:
+    """Every input's requests, in order (recorded serve answers, or records
+    joined into requests)."""
+    if spec.recorded is not None:
+        assert requests is not None
+        yield from from_serve(read_items(spec.recorded), spec.endpoint, requests)
+        return
+    job = Job(spec.endpoint, stream=spec.stream, requests=requests, lenient=True)
+    for path in spec.inputs:
+        with open_records(path, job, digests=False) as source:
+            observer.start_input(path, source, 0)
+            yield from requests_of(
+                source.records, spec.endpoint, stream=spec.stream, requests=requests, chunkings=list(spec.chunkings)
+            )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ParityWork:
+    """What every process that examines requests runs: the same paths,
+    compared the same way."""
+
+    paths: tuple[str, ...]
+    endpoint: Endpoint
+    ignore: frozenset[str]
+    normalization: Normalization
+
+    def checker(self, engines: Mapping[str, Derenderer]) -> Parity:
+        return Parity(engines, self.endpoint, ignore=self.ignore, normalization=self.normalization)
+
+
+# --- parity on forked workers ------------------------------------------------------------
+
+_PARITY_WORKER: dict[str, Any] = {}
+"""In a parity worker: its checker (set up in `_parity_worker_start`)."""
+
+
+class _ParityPool:
+    """Forked processes that examine requests, each over the parent's
+    render stack (forked) and a serve stack of its own (an engine core
+    cannot be forked); examinations come back in input order, at most a
+    few chunks per worker in flight, so memory stays flat."""
+
+    def __init__(
+        self, config: RenderConfig, engines: Mapping[str, Derenderer], work: ParityWork, workers: int,
+        requests: RequestIndex | None,
+    ) -> None:  # fmt: skip
+        import multiprocessing
+
+        self.workers = workers
+        for engine in {id(e): e for e in engines.values()}.values():
+            engine.close()  # no event loop is shared with the children
+        _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
+        gc.collect()
+        gc.freeze()
+        context = multiprocessing.get_context("fork")
+        self._pool = context.Pool(workers, initializer=_parity_worker_start, initargs=(os.getpid(),))
+        _PARITY_WORKER.clear()
+
+    def __enter__(self) -> _ParityPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._pool.terminate()
+        self._pool.join()
+        gc.unfreeze()
+
+    def examined(self, requests: Iterable[Request]) -> Iterator[tuple[Request, Examination]]:
+        pending: collections.deque[tuple[list[Request], Any]] = collections.deque()
+        chunk: list[Request] = []
+
+        def sent() -> None:
+            pending.append((chunk, self._pool.apply_async(_parity_worker_examine, (chunk,))))
+
+        for request in requests:
+            chunk.append(request)
+            if len(chunk) >= _POOL_CHUNK:
+                sent()
+                chunk = []
+                while len(pending) >= 4 * self.workers:
+                    yield from self._received(pending.popleft())
+        if chunk:
+            sent()
+        while pending:
+            yield from self._received(pending.popleft())
+
+    @staticmethod
+    def _received(item: tuple[list[Request], Any]) -> Iterator[tuple[Request, Examination]]:
+        chunk, answer = item
+        outcome = answer.get()
+        if isinstance(outcome, str):
+            raise WorkerLost(f"a parity worker failed:\n{outcome}")
+        yield from zip(chunk, pickle.loads(outcome), strict=True)
+
+
+def _parity_worker_start(parent: int) -> None:
+    """A parity worker's start: it dies with the parent, leaves Ctrl-C to
+    it, and builds the serve stack the parent could not fork."""
+    import signal
+
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config, engines, work = _PARITY_WORKER["config"], _PARITY_WORKER["engines"], _PARITY_WORKER["work"]
+    try:
+        for engine in {id(e): e for e in engines.values()}.values():
+            engine.after_fork()
+        missing = [path for path in work.paths if path not in engines]
+        if missing:
+            with contextlib.ExitStack() as kept:
+                engines.update(_parity_engines(config, missing, kept, None, serve=True))
+                kept.pop_all()
+        _PARITY_WORKER["checker"] = work.checker({path: engines[path] for path in work.paths})
+    except Exception:
+        _PARITY_WORKER["failed"] = traceback.format_exc()
+
+
+def _parity_worker_examine(chunk: list[Request]) -> bytes | str:
+    """A chunk's examinations, pickled; a worker that could not start or
+    hit a bug sends its traceback instead."""
+    if "failed" in _PARITY_WORKER:
+        return str(_PARITY_WORKER["failed"])
+    try:
+        checker = _PARITY_WORKER["checker"]
+        return pickle.dumps([checker.examine(request) for request in chunk], protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return traceback.format_exc()
+
+
+# --- parity on Ray ---------------------------------------------------------------------------------
+
+
+def _parity_on_ray(
+    config: RenderConfig, spec: ParitySpec, work: ParityWork, inputs: Iterable[Request], result: ParityResult,
+    done: int, on_skip: Callable[[Request], None] | None,
+) -> Iterator[tuple[Request, Examination]]:  # fmt: skip
+    """On a Ray cluster: this process reads the requests, a pool of actors
+    (each with its own stacks, the model shipped to it) examines them in
+    chunks, a few per actor in flight, taken back in input order."""
+    from .ray_data import ModelBundle, ray_cluster
+
+    bundle = ModelBundle.of(config)
+    with ray_cluster(spec.ray_address) as (ray, _):
+        from ray.util import ActorPool
+
+        cpus = float(ray.cluster_resources().get("CPU", 1))
+        size = spec.ray_actors or max(1, int(cpus))
+        actor = ray.remote(num_cpus=max(0.1, min(1.0, cpus / size)))(_ParityActor)
+        pool = ActorPool([actor.remote(config, bundle, work) for _ in range(size)])
+        pending: collections.deque[list[Request]] = collections.deque()
+
+        def received() -> Iterator[tuple[Request, Examination]]:
+            outcome = pool.get_next()
+            if isinstance(outcome, str):
+                raise WorkerLost(f"a parity actor failed:\n{outcome}")
+            yield from zip(pending.popleft(), pickle.loads(outcome), strict=True)
+
+        chunk: list[Request] = []
+        for request in _skipping(inputs, result, done, on_skip):
+            chunk.append(request)
+            if len(chunk) >= _POOL_CHUNK:
+                pool.submit(lambda a, c: a.examine.remote(c), chunk)
+                pending.append(chunk)
+                chunk = []
+                while len(pending) >= 2 * size:
+                    yield from received()
+        if chunk:
+            pool.submit(lambda a, c: a.examine.remote(c), chunk)
+            pending.append(chunk)
+        while pending:
+            yield from received()
+
+
+class _ParityActor:
+    """A Ray actor that examines requests: the render and serve stacks of
+    its own, over its node's copy of the model."""
+
+    def __init__(self, config: RenderConfig, bundle: Any, work: ParityWork) -> None:
+        self._kept = contextlib.ExitStack()
+        engines = _parity_engines(bundle.unpacked(config), work.paths, self._kept, None)
+        self.checker = work.checker(engines)
+
+    def examine(self, chunk: list[Request]) -> bytes | str:
+        try:
+            return pickle.dumps([self.checker.examine(request) for request in chunk], protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return traceback.format_exc()
+
+
+# --- resuming a parity report ---------------------------------------------------------------------
+
+
+def _checkpoint_path(report: str) -> str:
+    """Beside the report: ``.NAME.derender-parity.json``."""
+    path = Path(report)
+    return str(path.with_name(f".{path.name}.derender-parity.json"))
+
+
+def _parity_run_key(config: RenderConfig, spec: ParitySpec) -> dict[str, Any]:
+    """What a resumed run must share with the one it continues."""
+    from importlib.metadata import version
+
+    return {
+        "inputs": [os.path.abspath(p) for p in spec.inputs],
+        "flags": parity_flags(spec),
+        "requests": spec.requests, "stream": spec.stream,
+        "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "versions": {"derender": version("derender"), "vllm": version("vllm")},
+    }  # fmt: skip
+
+
+def _write_checkpoint(path: str, key: dict[str, Any], requests: int, size: int, *, finished: bool = False) -> None:
+    """How far the report got: the requests it covers (compared or passed
+    over) and its bytes so far (written in place, atomically)."""
+    text = json.dumps({"run": key, "requests": requests, "bytes": size, "finished": finished})
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as out:
+        out.write(text)
+    os.replace(temporary, path)
+
+
+def _resumed(spec: ParitySpec, checkpoint: str | None, key: dict[str, Any]) -> tuple[int, int]:
+    """The requests and report bytes an earlier run of the same parity
+    left, from its checkpoint."""
+    assert checkpoint is not None and spec.report is not None
+    try:
+        with open(checkpoint) as source:
+            earlier = json.load(source)
+    except (OSError, ValueError):
+        raise InputError(f"--resume: {spec.report} has no checkpoint ({checkpoint}): start afresh") from None
+    if earlier.get("run") != key:
+        raise InputError(f"--resume: {spec.report} was written by another parity run (inputs, flags, settings or versions)")
+    try:
+        size = os.path.getsize(spec.report)
+    except OSError:
+        size = -1
+    if size < earlier["bytes"]:
+        raise InputError(f"--resume: {spec.report} is shorter than its checkpoint says: start afresh")
+    os.truncate(spec.report, earlier["bytes"])
+    return int(earlier["requests"]), int(earlier["bytes"])
+
+
+def _read_back(report: str, size: int, result: ParityResult) -> None:
+    """The divergences an earlier run wrote, counted again by class, a
+    request (a run of lines with one request id) at a time."""
+    with open(report, "rb") as source:
+        group: list[Divergence] = []
+        for line in source.read(size).splitlines():
+            divergence = Divergence(**json.loads(line))
+            if group and group[-1].request_id != divergence.request_id:
+                result.classes.add(group)
+                group = []
+            group.append(divergence)
+        if group:
+            result.classes.add(group)
 
 
 def parity_flags(spec: ParitySpec) -> list[str]:
@@ -807,16 +1263,18 @@ def _new_ids(examination: Examination, known: Mapping[int, str]) -> set[int]:
 
 
 def _parity_engines(
-    config: RenderConfig, paths: Sequence[str], resources: contextlib.ExitStack, warm: WarmEngines | None
+    config: RenderConfig, paths: Sequence[str], resources: contextlib.ExitStack, warm: WarmEngines | None,
+    *, serve: bool = True,
 ) -> dict[str, Derenderer]:
-    """One render stack for the derender paths, one serve stack for the serve paths."""
+    """One render stack for the derender paths, one serve stack for the
+    serve paths (unless not `serve`: forked workers build their own)."""
     engines: dict[str, Derenderer] = {}
     if set(DERENDER_MODES) & set(paths):
         derender, _ = build_engine(config, warm=warm)
         resources.callback(derender.close)
         engines.update({path: derender.in_mode(**DERENDER_MODES[path]) for path in paths if path in DERENDER_MODES})
-    if {"serve", "serve-oneshot"} & set(paths):
-        serve, _ = build_engine(config, flavor="serve")
-        resources.callback(serve.close)
-        engines.update({path: serve for path in paths if path.startswith("serve")})
-    return {path: engines[path] for path in paths}
+    if serve and {"serve", "serve-oneshot"} & set(paths):
+        built, _ = build_engine(config, flavor="serve")
+        resources.callback(built.close)
+        engines.update({path: built for path in paths if path.startswith("serve")})
+    return {path: engines[path] for path in paths if path in engines}

@@ -34,7 +34,7 @@ Everything here is pure orchestration over `Derenderer` objects: no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,8 @@ class Request:
     recorded: Observed | None = None
     problem: str | None = None
     """Why the request cannot run (a body that cannot be converted)."""
+    number: int = 0
+    """Its place among the run's requests, from 1 (set as it is read)."""
 
 
 # --- one-shot bodies and generate streams ----------------------------------
@@ -401,6 +403,30 @@ def pairs(paths: Iterable[str], recorded: bool = False) -> list[tuple[str, str]]
     return found
 
 
+class LogTally:
+    """vLLM's log records while the paths ran, counted per kind, each with
+    the id of the request that first logged it: a parser's traceback for a
+    cut tool call comes once per path, so a run would otherwise print it
+    many times. Requests are added in input order, wherever they ran."""
+
+    def __init__(self) -> None:
+        self._logs: list[LogKind] = []
+        self._first_logged_by: dict[int, str] = {}
+        self._examined = 0
+
+    def add(self, request_id: str, logged: Sequence[Any]) -> None:
+        self._examined += 1
+        if logged:
+            kinds = len(self._logs)
+            count_logs(self._logs, list(logged), self._examined)
+            if len(self._logs) > kinds:
+                self._first_logged_by[self._examined] = request_id
+
+    @property
+    def kinds(self) -> list[tuple[LogKind, str]]:
+        return [(kind, self._first_logged_by[kind.first_record]) for kind in self._logs]
+
+
 class Parity:
     """Runs requests through the chosen paths and compares them.
 
@@ -426,17 +452,12 @@ class Parity:
         # of a derender path's engine (the serve path's renders the same).
         renderer = next((engines[p] for p in DERENDER_MODES if p in engines), next(iter(engines.values()), None))
         self.prompts = None if renderer is None else PromptRenderer(renderer)
-        self._logs: list[LogKind] = []
-        self._first_logged_by: dict[int, str] = {}
-        self._examined = 0
+        self.tally = LogTally()
 
     @property
     def logs(self) -> list[tuple[LogKind, str]]:
-        """vLLM's log records while the paths ran, counted per kind, each
-        with the id of the request that first logged it: a parser's
-        traceback for a cut tool call comes once per path, so a run would
-        otherwise print it many times."""
-        return [(kind, self._first_logged_by[kind.first_record]) for kind in self._logs]
+        """vLLM's log records while the paths ran (`LogTally`)."""
+        return self.tally.kinds
 
     def run(self, request: Request) -> list[Divergence]:
         """Every divergence between the paths for one request (one that
@@ -449,7 +470,6 @@ class Parity:
         observed, for a request that cannot run)."""
         if request.problem is not None:
             return Examination(request.request_id)
-        self._examined += 1
         findings: list[Divergence] = []
         seen_findings: set[tuple[Any, ...]] = set()
         observed: dict[tuple[str, str | None], Observed] = {}
@@ -473,11 +493,7 @@ class Parity:
                         )
             if self.prompts is not None and "prompt_token_ids" not in self.ignore:
                 findings += prompt_divergences(self.prompts, self.endpoint, request.request_id, request.one_shot)
-        if logged:
-            kinds = len(self._logs)
-            count_logs(self._logs, logged, self._examined)
-            if len(self._logs) > kinds:
-                self._first_logged_by[self._examined] = request.request_id
+        self.tally.add(request.request_id, logged)
         divergences: list[Divergence] = []
         if request.recorded is not None:
             observed[(RECORDED, None)] = request.recorded
@@ -496,7 +512,7 @@ class Parity:
         return Examination(
             request.request_id, observed, divergences + findings,
             calls={chunking: [_call_token_ids(body) for body in bodies] for chunking, bodies in request.streams},
-            token_ids=self._one_shot_token_ids(request.one_shot),
+            token_ids=self._one_shot_token_ids(request.one_shot), logs=tuple(logged),
         )  # fmt: skip
 
     def _one_shot_token_ids(self, body: Any) -> dict[int, list[int]]:
