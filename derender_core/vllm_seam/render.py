@@ -46,6 +46,11 @@ from .stack import (
 DECODE_MODES = ("fast", "reference")
 """``--decode``: "fast" (the default) or "reference", vLLM's own per-token
 path, bug for bug."""
+REPLAY_MODES = ("fast", "reference")
+"""A parsed stream's replay: "fast" (the default) goes on from this
+process's previous call of the stream where the call's state is that call's
+(`replay.ReplayStreams`); "reference" replays the whole history on every
+call, as vLLM's server does."""
 
 _T = TypeVar("_T")
 
@@ -78,6 +83,7 @@ class DerenderEngine(CodeAPI):
         live: bool = False,
         decode: str = "fast",
         loop: asyncio.AbstractEventLoop | None = None,
+        replay: str = "fast",
     ) -> None:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequest,
@@ -111,6 +117,14 @@ class DerenderEngine(CodeAPI):
         """Live streaming (parser state kept between calls); on a vLLM the
         live path was not proven on, every call runs the server's replay."""
         self.decode = self._allowed_decode(decode)
+        if self._fast_paths.replay:
+            from .replay import ReplayStreams
+
+            ReplayStreams.install(serving.online_derenderer)
+        self.replay = self._allowed_replay(replay)
+        """"fast": a stream's replay goes on from its previous call here
+        (`replay.ReplayStreams`); "reference": vLLM's replay of the whole
+        history per call."""
         """"fast": exact batched decode (`fast.TokenTable`) where the
         tokenizer allows; "reference": vLLM's own per-token path."""
         self.vocab_size = _vocab_size(self.tokenizer)
@@ -144,7 +158,9 @@ class DerenderEngine(CodeAPI):
         """The render endpoints, given the server flags (`build`)."""
 
     @classmethod
-    def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
+    def build(
+        cls, config: RenderConfig, *, live: bool = False, decode: str = "fast", replay: str = "fast"
+    ) -> DerenderEngine:
         """Build the stack from a local model directory, as the server does.
 
         Raises:
@@ -179,7 +195,7 @@ class DerenderEngine(CodeAPI):
                 raise ConfigError(f"cannot start the derender stack for {config.model}: {exc}") from None
         if quiet_startup:
             show_warnings_from_now_on()
-        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live, decode=decode)
+        engine = cls(serving, startup_seconds=time.perf_counter() - started, live=live, decode=decode, replay=replay)
         engine._render_half = RenderHalf(args)
         engine._check_tokenizer(config.tokenizer or config.model or "")
         return engine
@@ -222,14 +238,26 @@ class DerenderEngine(CodeAPI):
                 "(tokenizer.json, tokenizer.model, vocab.json, ...) missing?"
             )
 
-    def in_mode(self, *, live: bool | None = None, decode: str | None = None) -> DerenderEngine:
-        """This engine in another stream mode or decode mode, sharing the stack."""
+    def in_mode(
+        self, *, live: bool | None = None, decode: str | None = None, replay: str | None = None
+    ) -> DerenderEngine:
+        """This engine in another stream mode, decode mode or replay mode,
+        sharing the stack."""
         other = copy.copy(self)
         if live is not None:
             other.live = live and self._fast_paths.live
         if decode is not None:
             other.decode = self._allowed_decode(decode)
+        if replay is not None:
+            other.replay = self._allowed_replay(replay)
         return other
+
+    def _allowed_replay(self, replay: str) -> str:
+        """`replay`, checked, or "reference" where the fast replay may not
+        run (`versions`)."""
+        if replay not in REPLAY_MODES:
+            raise ConfigError(f"--replay: unknown mode {replay!r}. Valid modes: {', '.join(REPLAY_MODES)}.")
+        return replay if self._fast_paths.replay else "reference"
 
     def _allowed_decode(self, decode: str) -> str:
         """`decode`, checked, or "reference" where the fast decode may not
@@ -261,6 +289,7 @@ class DerenderEngine(CodeAPI):
         derenderer = self._serving.online_derenderer
         derenderer.live = self.live
         derenderer.decode_mode = self.decode
+        derenderer.replay_mode = self.replay
         derenderer.spliced = []
         # A response is thousands of short-lived containers; the collector's
         # full passes over the heap (the tokenizer's vocabulary and merges
@@ -632,6 +661,7 @@ class _FastPaths(NamedTuple):
     requests: bool
     responses: bool
     live: bool
+    replay: bool
 
 
 def _fast_paths(serving: Any) -> _FastPaths:
@@ -640,7 +670,7 @@ def _fast_paths(serving: Any) -> _FastPaths:
     if not versions.proven("decode"):
         # fast.py imports vLLM's private names, which a release never seen
         # may have moved: not even imported then.
-        return _FastPaths(decode=False, requests=False, responses=False, live=False)
+        return _FastPaths(decode=False, requests=False, responses=False, live=False, replay=False)
     from .fast import FastDerenderer
 
     ours = isinstance(serving.online_derenderer, FastDerenderer)
@@ -650,6 +680,7 @@ def _fast_paths(serving: Any) -> _FastPaths:
         requests=decode and versions.proven("requests"),
         responses=decode and versions.proven("responses"),
         live=ours and decode and versions.proven("live"),
+        replay=ours and decode and versions.proven("live") and versions.proven("replay"),
     )
 
 

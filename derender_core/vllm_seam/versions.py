@@ -24,6 +24,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "requests": ("0.33.0",),
     "responses": ("0.33.0",),
     "live": ("0.33.0",),
+    "replay": ("0.33.0",),
     "serve": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0",),
 }
@@ -37,6 +38,10 @@ PROVEN: dict[str, tuple[str, ...]] = {
   would be dumped to (`responses.DirectResponses`);
 - ``live``: live streams (`live.LiveDerenderer`): a stream's parser and
   request kept between calls, its usual chunks answered by the lane;
+- ``replay``: a stream's replay (``--mode replay``) going on from this
+  process's previous call where the call's state is the one that call
+  answered (`replay.ReplayStreams`), in place of replaying the whole
+  history (needs ``live``'s stream);
 - ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
   a scripted engine core through private internals (no reference path:
   refused on other releases);
