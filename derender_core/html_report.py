@@ -618,7 +618,7 @@ def build_page(
         for examination in examinations:
             classes.add(examination.divergences)
         starts = accumulate((len(e.divergences) for e in examinations), initial=1)
-        positions = [(n, start) for (n, _), start in zip(enumerate(examinations, 1), starts)]
+        positions = [(n, start) for (n, _), start in zip(enumerate(examinations, 1), starts, strict=False)]
         requests, more = len(examinations), {}
     else:
         classes, positions, requests, more = shown.classes, list(shown.numbers), shown.requests, shown.more

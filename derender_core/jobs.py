@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
-from .compare import DEFAULT_NORMALIZATION, Classes, Divergence, Examination, Normalization, class_of, report_line
+from .compare import (
+    DEFAULT_NORMALIZATION,
+    Classes,
+    Divergence,
+    Examination,
+    Normalization,
+    class_of,
+    report_line,
+)
 from .config import RenderConfig
 from .datasets import (
     Input,
@@ -43,17 +51,24 @@ from .datasets import (
     output_name,
 )
 from .errors import ConfigError, InputError, StreamFailure
+from .html_report import IDS_SHOWN, Shown
 from .interrupt import StopRequest, stop_on_signals, until_stopped
 from .logs import LogKind
 from .minimize import DEFAULT_STEPS, Minimal, Minimizer, json_bytes
 from .outputs import RunPaths
-from .html_report import IDS_SHOWN, Shown
-from .parity import DERENDER_MODES, PATHS, Chunking, LogTally, Parity, Request, from_serve, requests_of
+from .parity import (
+    DERENDER_MODES,
+    PATHS,
+    Chunking,
+    LogTally,
+    Parity,
+    Request,
+    from_serve,
+    requests_of,
+)
 from .protocol import Derenderer, Endpoint
 from .records import (
     RequestIndex,
-    iter_records,
-    open_input,
     open_output,
     standard_stream,
 )
@@ -755,6 +770,28 @@ class ParityResult:
     def divergence_count(self) -> int:
         return self.classes.divergences
 
+    def take(self, examination: Examination, *, examine: bool) -> list[str]:
+        """Count one compared request's divergences by class (their classes,
+        in order); with `examine`, keep its examination for the page while
+        it is among the first `EXAMPLES_PER_CLASS` of one of its classes,
+        else list its id under each of its classes."""
+        self.compared += 1
+        first = self.classes.divergences + 1
+        names = self.classes.add(examination.divergences)
+        if not examine or not names:
+            return names
+        classes = self.classes.classes
+        if any(classes[name].requests <= EXAMPLES_PER_CLASS for name in names):
+            self.examinations.append(examination)
+            self.shown.append((self.compared, first))
+            return names
+        for name in dict.fromkeys(names):
+            ids, count = self.more.get(name, ([], 0))
+            if len(ids) < IDS_SHOWN:
+                ids.append(examination.request_id)
+            self.more[name] = (ids, count + 1)
+        return names
+
     def page_shown(self) -> Shown:
         """Where the kept examinations sit in the run, for `build_page`."""
         return Shown(self.shown, self.classes, self.compared, self.more)
@@ -842,16 +879,13 @@ def run_parity(
         for request, examination in examined:
             through = request.number
             tally.add(request.request_id, examination.logs)
-            result.compared += 1
             found = examination.divergences
-            first_number = result.classes.divergences + 1
-            names = result.classes.add(found)
+            names = result.take(examination, examine=spec.examine)
             if spec.report is not None:
                 for divergence in found:
                     report_bytes += sink.write(report_line(divergence))
             if spec.keep_divergences:
                 result.divergences += found
-            _keep_for_page(spec, result, examination, names, first_number)
             if found and spec.minimizing:
                 if spec.every_minimal:
                     every.append((request, found))
@@ -871,16 +905,17 @@ def run_parity(
         result.logs = tally.kinds
         if stop:
             raise RunStopped(stop.signal or 0, result)
+        if spec.examine or spec.minimizing:
+            # Workers and actors kept their stacks: what is still needed here is built now.
+            missing = [path for path in spec.paths if path not in engines]
+            if missing and (spec.minimizing or not engines):
+                engines.update(_parity_engines(config, missing if spec.minimizing else missing[:1], resources, warm))
         if spec.examine:
-            pieces_of = next((getattr(e, "token_pieces", None) for e in engines.values()), None)
-            if pieces_of is None and spec.ray:
-                pieces_of = _parity_engines(config, spec.paths[:1], resources, warm, serve=False)[spec.paths[0]].token_pieces  # type: ignore[attr-defined]
+            pieces_of = getattr(next(iter(engines.values())), "token_pieces", None)
             if pieces_of is not None:
                 for examination in result.examinations:
                     result.pieces.update(pieces_of(_new_ids(examination, result.pieces)))
         if spec.minimizing:
-            if pooled or spec.ray:
-                engines = _parity_engines(config, spec.paths, resources, warm, serve=True)
             minimizer = Minimizer(
                 engines, spec.endpoint, chunkings=spec.chunkings, ignore=spec.ignore,
                 normalization=spec.normalization, steps=spec.minimize_steps,
@@ -930,24 +965,6 @@ def _to_minimize(
         if key not in taken:
             taken.add(key)
             yield request, members[0], members
-
-
-def _keep_for_page(spec: ParitySpec, result: ParityResult, examination: Examination, names: list[str], first: int) -> None:
-    """Keep `examination` for the page while it is among the first
-    `EXAMPLES_PER_CLASS` of one of its classes; otherwise list its id
-    under each of its classes."""
-    if not spec.examine or not names:
-        return
-    classes = result.classes.classes
-    if any(classes[name].requests <= EXAMPLES_PER_CLASS for name in names):
-        result.examinations.append(examination)
-        result.shown.append((result.compared, first))
-        return
-    for name in dict.fromkeys(names):
-        ids, count = result.more.get(name, ([], 0))
-        if len(ids) < IDS_SHOWN:
-            ids.append(examination.request_id)
-        result.more[name] = (ids, count + 1)
 
 
 def _skipping(

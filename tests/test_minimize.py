@@ -75,7 +75,7 @@ def check_minimized(given: Path, flags: list[str], tmp_path: Path) -> dict[str, 
     flags, and check every minimal record; the sizes before and after, per
     minimal record."""
     report, minimal, again = tmp_path / "report.jsonl", tmp_path / "minimal.jsonl", tmp_path / "again.jsonl"
-    done = run_cli("parity", str(given), *flags, "--report", str(report), "--minimize", str(minimal))
+    done = run_cli("parity", str(given), *flags, "--report", str(report), "--minimize", str(minimal), "--minimize-all")
     assert done.returncode == 1, done.stderr.decode()
     # Every kind of every request got its minimal record.
     wanted = {f"{rid}~{kind}" for rid, kinds in kinds_by_request(report).items() for kind in kinds}
