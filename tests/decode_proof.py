@@ -12,10 +12,11 @@ hands over to ``OnlineDerenderer``'s own code):
   both ``skip_special_tokens`` settings, a character cut at the end,
   out-of-vocabulary ids);
 - `check_detokenize_delta`: ``_detokenize_delta`` over any chunking, text and
-  every state (prev_tokens, offsets);
+  every state (the window, offsets), from a seed or from any state a caller
+  may send (special and out-of-vocabulary ids in the window, any offsets);
 - `check_logprobs`: ``_resolve_logprobs`` as chat and as completion
-  logprobs, byte-fallback pieces and their correction included, against the
-  models' own JSON.
+  logprobs, byte-fallback pieces and their correction included, and (vLLM
+  0.34) tokens written as ids, against the models' own JSON.
 
 Engine-level checks (the assembled response, live chunks and states) run on
 whole bodies in the family tests.
@@ -24,6 +25,7 @@ whole bodies in the family tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import weakref
 from collections.abc import Iterator
@@ -202,8 +204,11 @@ def check_detokenize_delta(engine: Any, data: Any) -> None:
     tokenizer = derenderer.tokenizer
     ids = token_ids(data, derenderer)
     skip = data.draw(st.booleans(), label="skip_special_tokens")
-    prompt = prompt_ids(data, derenderer)
-    states = {mode: _seed_stream_state(tokenizer, prompt, skip_special_tokens=skip) for mode in ("fast", "reference")}
+    if data.draw(st.booleans(), label="a caller's state"):
+        start_state = _sent_state(data, derenderer)
+    else:
+        start_state = _seed_stream_state(tokenizer, prompt_ids(data, derenderer), skip_special_tokens=skip)
+    states = {mode: start_state for mode in ("fast", "reference")}
     start = 0
     while start < len(ids) or start == 0:
         size = data.draw(st.integers(1, 4), label="chunk")
@@ -212,12 +217,45 @@ def check_detokenize_delta(engine: Any, data: Any) -> None:
         answers = {}
         for mode in ("fast", "reference"):
             with decoding(derenderer, mode):
-                answers[mode] = derenderer._detokenize_delta(tokenizer, chunk, states[mode], skip, True)
-            states[mode] = answers[mode][1]
-        assert answers["fast"][0] == answers["reference"][0], (ids, prompt, start)
-        assert states["fast"].model_dump() == states["reference"].model_dump(), (ids, prompt, start)
+                answers[mode] = outcome(
+                    functools.partial(derenderer._detokenize_delta, tokenizer, chunk, states[mode], skip, True)
+                )
+        assert _dumped(answers["fast"]) == _dumped(answers["reference"]), (ids, start_state, start)
+        if answers["fast"][0] == "raised":
+            break
+        states = {mode: answers[mode][1][1] for mode in states}
         if start >= len(ids):
             break
+
+
+def _sent_state(data: Any, derenderer: Any) -> Any:
+    """A stream state as a caller may send it: the window's ids (0.34) or
+    their pieces (0.33) drawn from every pool, any offsets."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import DerenderStreamState
+
+    from derender_core.vllm_seam.fast import WINDOW_IDS
+
+    pools = _pools(derenderer)
+    element = st.sampled_from(["ordinary", "special", "byte", "cut", "oov"]).flatmap(
+        lambda kind: st.sampled_from([i for i in pools[kind] if i >= 0] or pools["ordinary"])
+    )
+    window = data.draw(st.lists(element, max_size=8), label="window")
+    prefix_offset = data.draw(st.integers(0, len(window) + 1), label="prefix_offset")
+    read_offset = data.draw(st.integers(0, len(window) + 1), label="read_offset")
+    if WINDOW_IDS:
+        fields: dict[str, Any] = {"prev_token_ids": window}
+    else:
+        pieces = [derenderer.tokenizer.convert_ids_to_tokens(i) or "" for i in window]
+        fields = {"prev_tokens": pieces}
+    return DerenderStreamState(**fields, prefix_offset=prefix_offset, read_offset=read_offset)
+
+
+def _dumped(result: tuple[str, Any]) -> tuple[str, Any]:
+    """A `_detokenize_delta` outcome with its state dumped."""
+    if result[0] == "raised":
+        return result
+    text, state = result[1]
+    return result[0], (text, state.model_dump())
 
 
 def check_logprobs(engine: Any, data: Any) -> None:
@@ -228,7 +266,11 @@ def check_logprobs(engine: Any, data: Any) -> None:
         _resolve_logprobs,
     )
 
-    from derender_core.vllm_seam.fast import render_chat_logprobs, render_completion_logprobs
+    from derender_core.vllm_seam.fast import (
+        TOKENS_AS_IDS,
+        render_chat_logprobs,
+        render_completion_logprobs,
+    )
 
     derenderer = engine._serving.online_derenderer
     table = derenderer.table
@@ -244,17 +286,22 @@ def check_logprobs(engine: Any, data: Any) -> None:
     logprobs = GenerateLogProbs.model_validate({"content": content})
     context = data.draw(st.lists(st.sampled_from(pools["byte"] + pools["ordinary"]), max_size=4), label="context")
     top_limit = data.draw(st.sampled_from([None, 0, 1, 3, 5]))
+    as_ids = TOKENS_AS_IDS and data.draw(st.booleans(), label="return_tokens_as_token_ids")
+    options = {"return_tokens_as_token_ids": as_ids} if TOKENS_AS_IDS else {}
+
     def reference() -> tuple[str, str]:
-        resolved = _resolve_logprobs(logprobs, derenderer.tokenizer, initial_context_token_ids=context, top_limit=top_limit)
+        resolved = _resolve_logprobs(
+            logprobs, derenderer.tokenizer, initial_context_token_ids=context, top_limit=top_limit, **options
+        )
         completion = _convert_chat_logprobs_to_completion_logprobs(resolved, logprobs)
         return _dumps(resolved.model_dump()), _dumps(completion.model_dump())
 
     def fast() -> tuple[str | None, str | None]:
-        resolved = table.resolve_logprobs(logprobs, context, top_limit)
+        resolved = table.resolve_logprobs(logprobs, context, top_limit, as_ids)
         return render_chat_logprobs(resolved), render_completion_logprobs(resolved)
 
     # An id vLLM cannot decode (a negative one) fails the same way in both.
-    assert outcome(fast) == outcome(reference), (ids, context, top_limit)
+    assert outcome(fast) == outcome(reference), (ids, context, top_limit, as_ids)
 
 
 def outcome(call: Any) -> tuple[str, Any]:

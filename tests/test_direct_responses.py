@@ -5,7 +5,8 @@ vLLM's own handlers (``derender_chat_response`` and
 
 Bodies are drawn from the sample's corpus with the fields the handlers
 read varied: ``kv_transfer_params``, ``metrics`` and ``prompt_logprobs``
-(which keep vLLM's models), ``return_token_ids``, ``include_reasoning``,
+(which keep vLLM's models), the generate usage, ``return_token_ids``,
+``return_tokens_as_token_ids``, ``include_reasoning``,
 logprobs, stop reasons, the model name, prompt counts past 64 bits,
 missing request ids, empty outputs, and completions whose responses
 disagree on ``kv_transfer_params`` (vLLM warns). The answers must be the
@@ -49,7 +50,25 @@ ANYTHING = st.sampled_from(["absent", None, {}, {"a": 1}, {"a": 1.5}, [], "x", 7
 RESPONSE_FIELDS = {
     "kv_transfer_params": ANYTHING,
     "metrics": st.sampled_from(["absent", None, {}, {"arrival_time": 1.0}]),
-    "prompt_logprobs": st.sampled_from(["absent", None, [None], [None, {"7": {"logprob": -0.5}}]]),
+    # vLLM 0.34 fills a missing decoded_token, byte fallbacks corrected by
+    # the prompt before them (Qwen3: 81250, 243, 237 are the bytes of " 𝕏").
+    "prompt_logprobs": st.sampled_from(
+        [
+            "absent",
+            None,
+            [None],
+            [None, {"7": {"logprob": -0.5}}],
+            [
+                None,
+                {"81250": {"logprob": -0.5}},
+                {"243": {"logprob": -1.0, "rank": 2}, "7": {"logprob": -2.0}},
+                {"237": {"logprob": -0.25}},
+            ],
+            [None, {"7": {"logprob": -0.5, "decoded_token": "given"}}],
+        ]
+    ),
+    # vLLM 0.34 counts the prompt from here when the body gives no count.
+    "usage": st.sampled_from(["absent", None, {"prompt_tokens": 5}, {"prompt_tokens": 0, "completion_tokens": 2}]),
     "request_id": st.sampled_from(["absent", "r-1", "", "é\u2028"]),
     "model": st.sampled_from(["absent", None, "m"]),
 }
@@ -58,6 +77,8 @@ REQUEST_FIELDS = {
     "include_reasoning": st.sampled_from(["absent", True, False]),
     "logprobs": st.sampled_from(["absent", True, False]),
     "top_logprobs": st.sampled_from(["absent", 0, 2]),
+    # vLLM 0.34 writes logprob tokens as ``token_id:N``; 0.33 ignores it.
+    "return_tokens_as_token_ids": st.sampled_from(["absent", None, True, False]),
     "model": st.sampled_from(["absent", None, "qwen3-sample"]),
 }
 CHOICE_FIELDS = {

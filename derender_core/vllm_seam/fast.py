@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
-from vllm.entrypoints.generate.base.serving import decode_token_ids
+from vllm.entrypoints.generate.base.serving import decode_token_ids, format_token_id_placeholder
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponseChoice,
@@ -51,6 +51,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     GenerateTokensResponse,
 )
 from vllm.entrypoints.serve.utils.tool_calls_utils import resolve_finish_reason
+from vllm.renderers import online_derenderer as vllm_derenderer
 from vllm.renderers.online_derenderer import (
     OnlineDerenderer,
     _chat_top_logprobs_limit,
@@ -68,6 +69,38 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 
 from ..errors import ConfigError
 from . import parsers
+
+# What moved between the supported releases, each read off vLLM's own code
+# (not its version string), so one code path is exact on both.
+WINDOW_IDS = "prev_token_ids" in DerenderStreamState.model_fields
+"""0.34: the stream state's decode window holds ids (``prev_token_ids``),
+re-converted to pieces on each call; an id out of the vocabulary is skipped
+and a skipped special token leaves the window. 0.33: it holds the pieces
+(``prev_tokens``)."""
+RESOLVES_PROMPT = hasattr(vllm_derenderer, "_resolve_prompt_logprobs")
+"""0.34: the derenderer fills prompt logprobs' decoded tokens, chat's
+``_derender_chat`` returns them beside the choices, a missing prompt count
+falls back to the generate usage's, and the parser reads the engine's
+prompt ids before the caller's. 0.33: prompt logprobs pass as given and a
+missing count is 0."""
+TOKENS_AS_IDS = hasattr(OnlineDerenderer, "_return_tokens_as_token_ids")
+"""0.34: ``return_tokens_as_token_ids`` (the server flag, or the request's
+field) writes logprob tokens as ``token_id:N`` placeholders. 0.33 ignores it."""
+
+
+def resolved_prompt_logprobs(prompt_logprobs: Any, tokenizer: Any) -> Any:
+    """The prompt logprobs a response carries (`RESOLVES_PROMPT`)."""
+    if RESOLVES_PROMPT:
+        return vllm_derenderer._resolve_prompt_logprobs(prompt_logprobs, tokenizer)
+    return prompt_logprobs
+
+
+def prompt_count(prompt_tokens: int | None, usage: Any) -> int:
+    """Usage's ``prompt_tokens`` for a caller's count (`RESOLVES_PROMPT`)."""
+    if RESOLVES_PROMPT:
+        return vllm_derenderer.resolve_prompt_tokens(prompt_tokens, usage)  # type: ignore[no-any-return]
+    return prompt_tokens if prompt_tokens is not None else 0
+
 
 _REPLACEMENT = "\ufffd"
 _json_str = json.JSONEncoder(ensure_ascii=False).encode
@@ -149,9 +182,11 @@ class TokenTable:
         self.kind = decoder_kind(tokenizer)
         self._pieces: dict[int, str] = {}
         self._logprob_pieces: dict[int, Piece] = {}
+        self._placeholders: dict[int, Piece] = {}
         self._decoding = _Decoding(tokenizer)
         self._seeds: parsers.Remembered[tuple[tuple[int, ...], bool], DerenderStreamState] = parsers.Remembered(KEPT)
         self._heads: parsers.Remembered[tuple[str, ...], str] = parsers.Remembered(KEPT)
+        self._windows: parsers.Remembered[tuple[tuple[int, ...], bool], list[str]] = parsers.Remembered(KEPT)
 
     def seed_state(self, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> DerenderStreamState:
         """vLLM's ``_seed_stream_state``, remembered per prompt tail: it
@@ -164,6 +199,22 @@ class TokenTable:
         return self._seeds.get_or_make(
             (tuple(prompt_token_ids[-SEED_WINDOW:]), skip_special_tokens),
             lambda: _seed_stream_state(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens),
+        )
+
+    def window(self, state: DerenderStreamState, skip_special_tokens: bool) -> list[str]:
+        """The decode window's pieces as vLLM's ``_detokenize_delta`` reads
+        them off `state`: held there on 0.33; on 0.34 (`WINDOW_IDS`) its ids
+        converted as vLLM converts them, remembered per window (a seed's
+        is read by every output of the prompt). Not to be changed."""
+        if not WINDOW_IDS:
+            return state.prev_tokens  # type: ignore[no-any-return]
+        ids = state.prev_token_ids
+        return self._windows.get_or_make(
+            (tuple(ids), skip_special_tokens),
+            lambda: [
+                token or ""
+                for token in self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+            ],
         )
 
     def _seed_text(self, seed: list[str]) -> str:
@@ -203,13 +254,22 @@ class TokenTable:
         prefix_offset: int,
         read_offset: int,
         skip_special_tokens: bool,
-    ) -> tuple[str, list[str], int, int]:
+        prev_ids: Sequence[int] | None = None,
+    ) -> tuple[Any, ...]:
         """``OnlineDerenderer._detokenize_delta`` for a fast tokenizer, step
-        for step: (text, prev_tokens, prefix_offset, read_offset)."""
+        for step: (text, prev_tokens, prefix_offset, read_offset).
+
+        With the window's ids, `prev_ids` (vLLM 0.34, `WINDOW_IDS`), its
+        steps: an id out of the vocabulary is skipped, and the window's ids
+        are kept beside its pieces (a skipped special token leaves neither)
+        and returned last."""
         decode = self._decode_pieces
         prev = list(prev_tokens)
+        ids = None if prev_ids is None else list(prev_ids)
+        if ids is not None:
+            token_ids = [t for t in token_ids if 0 <= t < self.size]
         parts: list[str] = []
-        for new_tokens in self._steps(token_ids, skip_special_tokens):
+        for token_id, new_tokens in zip(token_ids, self._steps(token_ids, skip_special_tokens), strict=True):
             output_token_count = len(prev) + len(new_tokens)
             window_start = min(prefix_offset, read_offset, len(prev))
             output_tokens = (prev[window_start:] if window_start else prev) + new_tokens
@@ -220,10 +280,14 @@ class TokenTable:
             else:
                 text = new_text[len(prefix_text) :]
                 prefix_offset, read_offset = read_offset, output_token_count
+            if ids is not None:
+                ids = (ids + [token_id] if new_tokens else ids)[prefix_offset:]
             prev = (prev + new_tokens)[prefix_offset:]
             read_offset -= prefix_offset
             prefix_offset = 0
             parts.append(text)
+        if ids is not None:
+            return "".join(parts), prev, prefix_offset, read_offset, ids
         return "".join(parts), prev, prefix_offset, read_offset
 
     def _steps(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[list[str]]:
@@ -277,18 +341,40 @@ class TokenTable:
             self._logprob_pieces[token_id] = known
         return known
 
+    def placeholder(self, token_id: int) -> Piece:
+        """A logprob token written as its id (vLLM 0.34's
+        ``return_tokens_as_token_ids``): its placeholder and no bytes."""
+        known = self._placeholders.get(token_id)
+        if known is None:
+            known = self._placeholders[token_id] = Piece(format_token_id_placeholder(token_id), None)
+        return known
+
     def resolve_logprobs(
-        self, logprobs: Any, initial_context_token_ids: Sequence[int], top_limit: int | None
+        self,
+        logprobs: Any,
+        initial_context_token_ids: Sequence[int],
+        top_limit: int | None,
+        tokens_as_ids: bool = False,
     ) -> list[Position] | None:
         """``_resolve_logprobs``' content, as `Position`s; None for no
         content. A piece ending in U+FFFD is corrected by vLLM's own
         ``_correct_decoded_token`` with the same context (the sampled ids
-        before the position)."""
+        before the position). With `tokens_as_ids`, each token is its
+        `placeholder`."""
         content = logprobs.content
         if content is None:
             return None
         context = list(initial_context_token_ids)
-        known, resolved = self._logprob_pieces.get, []
+        resolved = []
+        if tokens_as_ids:
+            placeholders = self._placeholders.get
+            for entry in content:
+                tops = entry.top_logprobs if top_limit is None else entry.top_logprobs[:top_limit]
+                kept = [(placeholders(top.token_id) or self.placeholder(top.token_id), top.logprob) for top in tops]
+                piece = placeholders(entry.token_id) or self.placeholder(entry.token_id)
+                resolved.append(Position(piece, entry.logprob, kept, bool(entry.top_logprobs)))
+            return resolved
+        known = self._logprob_pieces.get
         for entry in content:
             tops = entry.top_logprobs if top_limit is None else entry.top_logprobs[:top_limit]
             kept = []
@@ -484,12 +570,26 @@ class FastDerenderer(OnlineDerenderer):
                 tokenizer, delta_token_ids, state, skip_special_tokens, spaces_between_special_tokens
             )
         # spaces_between_special_tokens only matters to slow tokenizers.
-        text, prev_tokens, prefix_offset, read_offset = self.table.detokenize_delta(
-            delta_token_ids, state.prev_tokens, state.prefix_offset, state.read_offset, skip_special_tokens
-        )
-        return text, state.model_copy(
-            update={"prev_tokens": prev_tokens, "prefix_offset": prefix_offset, "read_offset": read_offset}
-        )
+        window = self.table.window(state, skip_special_tokens)
+        if WINDOW_IDS:
+            text, _, prefix_offset, read_offset, ids = self.table.detokenize_delta(
+                delta_token_ids, window, state.prefix_offset, state.read_offset, skip_special_tokens,
+                state.prev_token_ids,
+            )  # fmt: skip
+            update: dict[str, Any] = {"prev_token_ids": ids}
+        else:
+            text, prev_tokens, prefix_offset, read_offset = self.table.detokenize_delta(
+                delta_token_ids, window, state.prefix_offset, state.read_offset, skip_special_tokens
+            )
+            update = {"prev_tokens": prev_tokens}
+        return text, state.model_copy(update={**update, "prefix_offset": prefix_offset, "read_offset": read_offset})
+
+    def logprob_options(self, request: ChatCompletionRequest | CompletionRequest | None) -> dict[str, Any]:
+        """What vLLM's ``_resolve_logprobs`` takes for `request` besides
+        0.33's arguments (`TOKENS_AS_IDS`)."""
+        if TOKENS_AS_IDS:
+            return {"return_tokens_as_token_ids": self._return_tokens_as_token_ids(request)}
+        return {}
 
     def _decode_output(
         self,
@@ -512,7 +612,7 @@ class FastDerenderer(OnlineDerenderer):
             )  # fmt: skip
         ids, dropped_reason = self._drop_stop_token(token_ids, finish_reason, stop_reason, request)
         min_tokens = request.min_tokens if request is not None else 0
-        seed = (seed_state.prev_tokens, seed_state.prefix_offset, seed_state.read_offset)
+        seed = (table.window(seed_state, skip_special_tokens), seed_state.prefix_offset, seed_state.read_offset)
         text = table.decode_whole(ids, *seed, skip_special_tokens)
         head = table.decode_whole(ids[:min_tokens], *seed, skip_special_tokens) if min_tokens else ""
         if text is None or head is None or not text.startswith(head):
@@ -540,27 +640,28 @@ class FastDerenderer(OnlineDerenderer):
         generate_response: GenerateTokensResponse,
         chat_request: ChatCompletionRequest | None = None,
         prompt_token_ids: list[int] | None = None,
-    ) -> list[ChatCompletionResponseChoice]:
+    ) -> Any:
         """vLLM's ``_derender_chat``, with the table's logprobs written as
-        JSON (`spliced`) instead of models."""
+        JSON (`spliced`) instead of models: the choices, and on 0.34
+        (`RESOLVES_PROMPT`) the prompt logprobs beside them."""
         if self.table is None or not self.fast:
             self.spliced = []
             return super()._derender_chat(generate_response, chat_request, prompt_token_ids)
-        return [
-            ChatCompletionResponseChoice(**fields)
-            for fields in self.chat_choice_fields(generate_response, chat_request, prompt_token_ids)
-        ]
+        fields, prompt_logprobs = self.chat_choice_fields(generate_response, chat_request, prompt_token_ids)
+        choices = [ChatCompletionResponseChoice(**choice) for choice in fields]
+        return (choices, prompt_logprobs) if RESOLVES_PROMPT else choices
 
     def chat_choice_fields(
         self,
         generate_response: GenerateTokensResponse,
         chat_request: ChatCompletionRequest | None = None,
         prompt_token_ids: list[int] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], Any]:
         """vLLM's ``_derender_chat``, line for line, up to each
         ``ChatCompletionResponseChoice``: the fields it is built from, for
         `responses.DirectResponses` to write where the model would only be
-        dumped. Only for the fast decode (`fast`)."""
+        dumped, and the response's prompt logprobs
+        (`resolved_prompt_logprobs`). Only for the fast decode (`fast`)."""
         assert self.table is not None
         self.spliced = []
         tokenizer = self.tokenizer
@@ -575,15 +676,24 @@ class FastDerenderer(OnlineDerenderer):
         hide_metadata = has_parser and chat_request is not None and not chat_request.include_reasoning
         return_token_ids = chat_request is not None and chat_request.return_token_ids and not hide_metadata
         top_limit = _chat_top_logprobs_limit(chat_request)
+        options = self.logprob_options(chat_request)
+        # 0.34 hands the parser the engine's prompt ids, else the caller's.
+        parser_prompt_ids = (
+            generate_response.prompt_token_ids or prompt_token_ids
+            if RESOLVES_PROMPT
+            else generate_response.prompt_token_ids
+        )
 
         for choice in generate_response.choices:
             if not choice.token_ids:
                 raise ValueError(f"choice {choice.index} has empty or null token_ids")
             resolved_logprobs, spliced = None, None
             if choice.logprobs is not None and not hide_metadata:
-                spliced = render_chat_logprobs(self.table.resolve_logprobs(choice.logprobs, (), top_limit))
+                spliced = render_chat_logprobs(
+                    self.table.resolve_logprobs(choice.logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
+                )
                 if spliced is None:  # not serialisable: vLLM's models fail as they do
-                    resolved_logprobs = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit)
+                    resolved_logprobs = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit, **options)
             decoded_text, stop_reason = self._decode_output(
                 tokenizer, choice.token_ids, choice.finish_reason, choice.stop_reason, chat_request,
                 seed_state, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between,
@@ -591,8 +701,7 @@ class FastDerenderer(OnlineDerenderer):
             if has_parser:
                 assert chat_request is not None
                 message = self._parse_and_assemble(
-                    tokenizer, decoded_text, choice.token_ids, chat_request, chat_template_kwargs,
-                    generate_response.prompt_token_ids,
+                    tokenizer, decoded_text, choice.token_ids, chat_request, chat_template_kwargs, parser_prompt_ids,
                 )  # fmt: skip
             else:
                 message = ChatMessage(role="assistant", content=decoded_text)
@@ -607,7 +716,7 @@ class FastDerenderer(OnlineDerenderer):
                 }
             )
             self.spliced.append(spliced)
-        return choices
+        return choices, resolved_prompt_logprobs(generate_response.prompt_logprobs, tokenizer)
 
     def _derender_completion(
         self,
@@ -622,18 +731,22 @@ class FastDerenderer(OnlineDerenderer):
         if self.table is None or not self.fast:
             return super()._derender_completion(generate_responses, prompt_tokens, completion_request, prompt_token_ids)
         n = len(generate_responses)
-        prompt_tokens_list = prompt_tokens if prompt_tokens is not None else [0] * n
+        prompt_tokens_list = (
+            prompt_tokens if prompt_tokens is not None else [prompt_count(None, gen.usage) for gen in generate_responses]
+        )
         prompt_token_ids_list = prompt_token_ids if prompt_token_ids is not None else [None] * n
         tokenizer = self.tokenizer
         skip_special, spaces_between = _decode_params(tokenizer, completion_request)
         choices: list[CompletionResponseChoice] = []
         total_prompt_tokens = total_completion_tokens = index = 0
         top_limit = _completion_top_logprobs_limit(completion_request)
+        options = self.logprob_options(completion_request)
         return_token_ids = completion_request is not None and completion_request.return_token_ids
         # strict=False: as vLLM zips them
         for gen, pt, seed_ids_override in zip(generate_responses, prompt_tokens_list, prompt_token_ids_list, strict=False):
             seed_ids = seed_ids_override if seed_ids_override is not None else gen.prompt_token_ids
             seed_state = self.table.seed_state(seed_ids, skip_special)
+            prompt_logprobs = resolved_prompt_logprobs(gen.prompt_logprobs, tokenizer) if RESOLVES_PROMPT else None
             for choice in gen.choices:
                 if not choice.token_ids:
                     raise ValueError(
@@ -645,9 +758,11 @@ class FastDerenderer(OnlineDerenderer):
                 )  # fmt: skip
                 completion_logprobs, spliced = None, None
                 if choice.logprobs is not None:
-                    spliced = render_completion_logprobs(self.table.resolve_logprobs(choice.logprobs, (), top_limit))
+                    spliced = render_completion_logprobs(
+                        self.table.resolve_logprobs(choice.logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
+                    )
                     if spliced is None:
-                        resolved = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit)
+                        resolved = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit, **options)
                         completion_logprobs = _convert_chat_logprobs_to_completion_logprobs(resolved, choice.logprobs)
                 choices.append(
                     CompletionResponseChoice(
@@ -658,6 +773,7 @@ class FastDerenderer(OnlineDerenderer):
                         logprobs=completion_logprobs,
                         prompt_token_ids=gen.prompt_token_ids if return_token_ids else None,
                         token_ids=choice.token_ids if return_token_ids else None,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
                 self.spliced.append(spliced)

@@ -33,6 +33,7 @@ from vllm.entrypoints.scale_out.derender import serving as vllm_serving
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 from .answers import plain_model
+from .fast import RESOLVES_PROMPT, prompt_count
 
 
 class DirectResponses:
@@ -92,23 +93,26 @@ class DirectResponses:
                 "markup into content."
             )
         choice_fields: list[dict[str, Any]] | None = None
+        gen = request.generate_response
         try:
             # The fast decode's choices as the fields their models are built
             # from (`FastDerenderer.chat_choice_fields`), built into models
             # below only where they are not written directly.
             if getattr(derenderer, "fast", False):
-                choice_fields = derenderer.chat_choice_fields(
-                    request.generate_response, request.chat_request, request.prompt_token_ids
+                choice_fields, prompt_logprobs = derenderer.chat_choice_fields(
+                    gen, request.chat_request, request.prompt_token_ids
+                )
+            elif RESOLVES_PROMPT:
+                choices, prompt_logprobs = await derenderer.derender_chat(
+                    gen, request.chat_request, request.prompt_token_ids
                 )
             else:
-                choices = await derenderer.derender_chat(
-                    request.generate_response, request.chat_request, request.prompt_token_ids
-                )
+                choices = await derenderer.derender_chat(gen, request.chat_request, request.prompt_token_ids)
+                prompt_logprobs = gen.prompt_logprobs
         except ValueError as exc:
             return serving.create_error_response(str(exc))
 
-        prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
-        gen = request.generate_response
+        prompt_tokens = prompt_count(request.prompt_tokens, gen.usage)
         completion_tokens = sum(len(ch.token_ids) for ch in gen.choices if ch.token_ids)
         model_name = request.model or serving.models.model_name()
         vllm_serving.logger.debug(
@@ -124,7 +128,7 @@ class DirectResponses:
             else None
         )
         plain = (
-            gen.prompt_logprobs is None
+            prompt_logprobs is None
             and gen.kv_transfer_params is None
             and gen.metrics is None
             and type(gen.request_id) is str
@@ -151,7 +155,7 @@ class DirectResponses:
             id=gen.request_id,
             model=model_name,
             created=int(time.time()),
-            prompt_logprobs=gen.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
             kv_transfer_params=gen.kv_transfer_params,
             metrics=gen.metrics,
