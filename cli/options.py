@@ -114,6 +114,27 @@ ParityInputArg = Annotated[
         show_default=False,
     ),
 ]
+ParityWorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        "-j",
+        min=1,
+        metavar="N",
+        help="Worker processes that run the paths, forked after the render stack is built (each "
+        "builds its own serve stack). Default: 1, in this process.",
+        show_default=False,
+    ),
+]
+ParityResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue the --report FILE.jsonl an earlier, stopped parity run left: the requests it "
+        "covers (its checkpoint .FILE.jsonl.derender-parity.json says how many) are skipped. Refused "
+        "for another run's report, and with --html, --minimize or --repro.",
+    ),
+]
 MinimizeAllOpt = Annotated[
     bool,
     typer.Option(
