@@ -26,7 +26,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "live": ("0.33.0",),
     "replay": ("0.33.0",),
     "serve": ("0.33.0", "0.34.0"),
-    "startup": ("0.33.0",),
+    "startup": ("0.33.0", "0.34.0"),
 }
 """Each fast path and the vLLM releases its differential tests passed on:
 
