@@ -58,7 +58,10 @@ def lacks_prompt(body: Any, endpoint: Endpoint) -> bool:
     """A derender body with the request to render a prompt from, and no
     prompt ids for some response: neither the body's own nor, as vLLM falls
     back to them, the generate response's."""
-    if not (type(body) is dict or isinstance(body, Mapping)) or not isinstance(body.get(endpoint.request_key), Mapping):
+    if not (type(body) is dict or isinstance(body, Mapping)):
+        return False
+    request = body.get(endpoint.request_key)
+    if not (type(request) is dict or isinstance(request, Mapping)):  # a parsed record's is a dict
         return False
     given = body.get("prompt_token_ids")
     responses = body.get("generate_responses")

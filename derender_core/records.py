@@ -614,7 +614,7 @@ def _is_bare_generate_output(payload: Any) -> bool:
     """A GenerateResponse or stream chunk has choices and is no derender
     body; anything else goes to the endpoint as it is, to be validated there."""
     return (
-        isinstance(payload, Mapping)
+        (type(payload) is dict or isinstance(payload, Mapping))
         and "choices" in payload
         and not any(key in payload for key in _BODY_KEYS)
     )
