@@ -1,7 +1,7 @@
 """`derender parity` at dataset scale: records per second per path and for
 all six, -j 1 against -j 2, and peak RSS against the number of records.
 
-    python benchmarks/parity.py [--records 1000] [--long-records 20] [--rss 1000,10000]
+    python benchmarks/parity.py [--records 1000] [--long-tokens 8000] [--long-records 20] [--rss 1000,10000]
 
 Records are Qwen3 + hermes one-shot chat bodies (a reasoning trace, a short
 answer, one tool call) of `--tokens` output ids (400), each under its own
@@ -13,7 +13,8 @@ chat` run of the same records for oneshot (fast decode) and reference
 Replay's 8k-token figure depends on the O(n) replay (issue 32, item 1):
 this script prints what the installed code does. The defaults are small, to
 finish on a shared machine; the issue's sizes are
-``--records 1000 --long-records 20 --rss 1000,10000``.
+``--records 1000 --long-tokens 8000 --long-records 20 --rss 1000,10000``
+(replay at 8,000 tokens takes minutes a record until it is O(n)).
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ def records_file(directory: Path, body: dict, count: int, name: str) -> Path:
     return path
 
 
-def per_path(engines: dict, body: dict, count: int) -> dict[str, float]:
+def per_path(engines: dict, body: dict, count: int, warm_up: dict) -> dict[str, float]:
     """Records per second of each path alone, as parity runs it (`Parity`
-    over that one path: its answers, nothing compared)."""
+    over that one path: its answers, nothing compared), after one record
+    of `warm_up`."""
     figures = {}
-    streams = [(Chunking(1).name, stream_bodies(body, Endpoint.CHAT, Chunking(1)))]
+    chunking = Chunking(1)
+    streams = [(chunking.name, stream_bodies(body, Endpoint.CHAT, chunking))]
     for path in PATHS:
         checker = Parity({path: engines[path]}, Endpoint.CHAT, ignore={"prompt_token_ids"})
-        checker.examine(Request("warm-up", one_shot=body, streams=streams))
+        checker.examine(Request("warm-up", one_shot=warm_up, streams=[(chunking.name, stream_bodies(warm_up, Endpoint.CHAT, chunking))]))
         started = time.perf_counter()
         for number in range(count):
             checker.examine(Request(f"r-{number}", one_shot=body, streams=streams))
@@ -114,7 +117,7 @@ def peak_rss(path: Path, paths: list[str]) -> float:
     with tempfile.TemporaryDirectory() as out:
         done = subprocess.run(
             [sys.executable, "-c", script, "parity", str(path), "--config", str(REPO / "sample_data" / "qwen3.yaml"),
-             "--paths", ",".join(paths), "--report", f"{out}/r.jsonl", "--html", f"{out}/p.html", "-q", "--no-server"],
+             "--paths", ",".join(paths), "--report", f"{out}/r.jsonl", "--html", f"{out}/p.html", "-q"],
             capture_output=True, cwd=REPO, env={**os.environ, "DERENDER_NO_SERVER": "1"},
         )  # fmt: skip
     return int(done.stderr.decode().split()[-1]) / 1024
@@ -124,8 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--records", type=int, default=40, help="records of --tokens per figure (issue: 1000)")
-    parser.add_argument("--long-tokens", type=int, default=8000)
-    parser.add_argument("--long-records", type=int, default=2, help="records of --long-tokens (issue: 20)")
+    parser.add_argument("--long-tokens", type=int, default=2000, help="(issue: 8000)")
+    parser.add_argument("--long-records", type=int, default=1, help="records of --long-tokens (issue: 20)")
     parser.add_argument("--rss", default="200,2000", help="record counts for peak RSS (issue: 1000,10000)")
     parser.add_argument("--rss-paths", default="oneshot,reference,serve-oneshot")
     args = parser.parse_args()
@@ -137,9 +140,10 @@ def main() -> None:
     engines = {path: engine.in_mode(**DERENDER_MODES[path]) for path in DERENDER_MODES}
     engines.update({"serve": serve, "serve-oneshot": serve})
     print(f"start-up (excluded below): render stack {build:.1f} s, serve stack {serve_build:.1f} s")
+    warm_up, _, _ = sample_record(engine, 30)
     for tokens, count in ((args.tokens, args.records), (args.long_tokens, args.long_records)):
         body, _, _ = sample_record(engine, tokens)
-        alone = per_path(engines, body, count)
+        alone = per_path(engines, body, count, warm_up)
         floor = floors(engines, body, count)
         print(f"\n{count} records of {tokens} output tokens, one process (records/s)")
         print(f"{'path':<15}{'alone':>10}{'floor':>10}{'alone/floor':>13}  floor is")

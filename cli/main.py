@@ -455,36 +455,37 @@ def parity(
         outputs=(("--html", comparison.html),),
     )  # fmt: skip
     title = f"derender parity: {recorded or ' '.join(input_paths)}"
-    with comparison.output(console, title) as found:
-        found.report_written = True
+    try:
+        with comparison.output(console, title) as found:
+            found.report_written = True
 
-        def skipped(request: Any) -> None:
-            console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
-            found.skipped.append((str(request.request_id), str(request.problem)))
+            def skipped(request: Any) -> None:
+                console.print(f"derender: parity: {request.request_id}: not compared: {request.problem}", markup=False)
+                found.skipped.append((str(request.request_id), str(request.problem)))
 
-        def minimized(minimal: Minimal) -> None:
-            if not comparison.quiet:
-                print_minimal(console, minimal)
+            def minimized(minimal: Minimal) -> None:
+                if not comparison.quiet:
+                    print_minimal(console, minimal)
 
-        try:
             with ProgressDisplay(console, enabled=not comparison.quiet) as progress:
                 result = run_parity(config, spec, skipped, warm=warm_engines, on_minimized=minimized, observer=progress)
-        except RunStopped as stopped:
-            console.print(
-                f"derender: parity: stopped after {stopped.result.requests} requests"
-                + (f"; --resume continues {spec.report}" if spec.report not in (None, "-") else ""),
-                markup=False,
+            found.classes, found.shown = result.classes, result.page_shown()
+            found.examinations, found.pieces = result.examinations, result.pieces
+            summary = (
+                f"{result.requests} requests, {result.divergence_count} divergences, "
+                f"{result.not_compared} not compared; paths {', '.join(spec.paths)}"
             )
-            raise typer.Exit(128 + stopped.signum) from None
-        found.classes, found.shown = result.classes, result.page_shown()
-        found.examinations, found.pieces = result.examinations, result.pieces
-        summary = (
-            f"{result.requests} requests, {result.divergence_count} divergences, "
-            f"{result.not_compared} not compared; paths {', '.join(spec.paths)}"
+            if result.resumed:
+                summary += f"; {result.resumed} resumed"
+            found.subtitle = summary  # the page says how its streams were cut, from what ran
+    except RunStopped as stopped:
+        # What was compared is in the report; the table and the page are not written.
+        console.print(
+            f"derender: parity: stopped after {stopped.result.requests} requests"
+            + (f"; --resume continues {spec.report}" if spec.report not in (None, "-") else ""),
+            markup=False,
         )
-        if result.resumed:
-            summary += f"; {result.resumed} resumed"
-        found.subtitle = summary  # the page says how its streams were cut, from what ran
+        return 128 + stopped.signum
     if not comparison.quiet:
         console.print(f"derender: parity: {summary}", markup=False)
         print_log_kinds(console, [(kind, f"request {first!r}") for kind, first in result.logs], "while the paths ran")

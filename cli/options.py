@@ -114,18 +114,6 @@ ParityInputArg = Annotated[
         show_default=False,
     ),
 ]
-ParityWorkersOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--workers",
-        "-j",
-        min=1,
-        metavar="N",
-        help="Worker processes that run the paths, forked after the render stack is built (each "
-        "builds its own serve stack). Default: 1, in this process.",
-        show_default=False,
-    ),
-]
 ParityResumeOpt = Annotated[
     bool,
     typer.Option(
@@ -215,16 +203,23 @@ VerboseOpt = Annotated[
         "or failure that hit a bug.",
     ),
 ]
+def _workers_option(help_text: str) -> Any:
+    """``--workers``/``-j``, as a command explains it."""
+    return typer.Option("--workers", "-j", min=1, metavar="N", help=help_text, show_default=False)
+
+
 WorkersOpt = Annotated[
     int | None,
-    typer.Option(
-        "--workers",
-        "-j",
-        min=1,
-        metavar="N",
-        help="Worker processes, forked after the model loads. 1 runs in this process. "
-        "Default: the CPU cores this process may use (1 with --flavor serve).",
-        show_default=False,
+    _workers_option(
+        "Worker processes, forked after the model loads. 1 runs in this process. "
+        "Default: the CPU cores this process may use (1 with --flavor serve)."
+    ),
+]
+ParityWorkersOpt = Annotated[
+    int | None,
+    _workers_option(
+        "Worker processes that run the paths, forked after the render stack is built (each "
+        "builds its own serve stack). Default: 1, in this process."
     ),
 ]
 ResumeOpt = Annotated[

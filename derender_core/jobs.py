@@ -1136,7 +1136,7 @@ def _parity_on_ray(
         cpus = float(ray.cluster_resources().get("CPU", 1))
         size = spec.ray_actors or max(1, int(cpus))
         actor = ray.remote(num_cpus=max(0.1, min(1.0, cpus / size)))(_ParityActor)
-        pool = ActorPool([actor.remote(config, bundle, work) for _ in range(size)])
+        pool = ActorPool([actor.remote(config, bundle, work, os.getcwd()) for _ in range(size)])
         pending: collections.deque[list[Request]] = collections.deque()
 
         def received() -> Iterator[tuple[Request, Examination]]:
@@ -1163,11 +1163,23 @@ def _parity_on_ray(
 
 class _ParityActor:
     """A Ray actor that examines requests: the render and serve stacks of
-    its own, over its node's copy of the model."""
+    its own, over the model where the driver has it when this node has it
+    there too (vLLM's system fingerprint hashes the model's path, so the
+    answers are a local run's), else over its node's copy of the bundle."""
 
-    def __init__(self, config: RenderConfig, bundle: Any, work: ParityWork) -> None:
+    def __init__(self, config: RenderConfig, bundle: Any, work: ParityWork, directory: str) -> None:
+        import asyncio
+
+        # A Ray worker runs uvloop's policy; the serve stack steps asyncio's own loop.
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+        if os.path.isdir(directory):
+            os.chdir(directory)  # the driver's relative paths
+        try:
+            config.check_paths()
+        except ConfigError:
+            config = bundle.unpacked(config)
         self._kept = contextlib.ExitStack()
-        engines = _parity_engines(bundle.unpacked(config), work.paths, self._kept, None)
+        engines = _parity_engines(config, work.paths, self._kept, None)
         self.checker = work.checker(engines)
 
     def examine(self, chunk: list[Request]) -> bytes | str:
