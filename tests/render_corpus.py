@@ -10,11 +10,15 @@ format, given request ids; for completions, text and token prompts, several
 prompts, ``echo`` and ``suffix``. And the errors: bodies FastAPI refuses,
 an unknown model, bad roles, both ``add_generation_prompt`` and
 ``continue_final_message``, beam search, a chat template the server does not
-trust, an empty body.
+trust, an empty body. Beside them, the corpora of ``/v1/messages/render``,
+``/v1/responses/render``, ``/tokenize`` and ``/detokenize``
+(`preprocessing_bodies`). tests/test_families.py runs them all on every
+family, one server each.
 
 Answers are compared byte for byte; the only thing allowed to differ is the
 request id the server draws when a request has none (``chatcmpl-<16 hex>``,
-``cmpl-<16 hex>``, ``-<i>`` per prompt).
+``cmpl-<16 hex>``, ``-<i>`` per prompt, a Responses request's
+``resp_<16 hex>``).
 """
 
 from __future__ import annotations
@@ -24,16 +28,19 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+
 from derender_core import Endpoint
 from derender_core.protocol import Answer
 from tests.sample_inputs import WEATHER_TOOL, SampleBuilder
 
-_DRAWN_ID = re.compile(rb'"request_id":"(chatcmpl|cmpl)-[0-9a-f]{16}(-\d+)?"')
+_DRAWN_ID = re.compile(rb'"request_id":"(chatcmpl-|cmpl-|resp_)[0-9a-f]{16}(-\d+)?"')
 
 
 def drawn_ids_blanked(raw: bytes) -> bytes:
-    """An answer's bytes with the request ids drawn at random blanked."""
-    return _DRAWN_ID.sub(rb'"request_id":"\1-<drawn>\2"', raw)
+    """An answer's bytes with the request ids drawn at random blanked
+    (``resp_<16 hex>``: a Responses request's own default id)."""
+    return _DRAWN_ID.sub(rb'"request_id":"\1<drawn>\2"', raw)
 
 
 def render_chat_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
@@ -117,11 +124,192 @@ def render_completion_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
     yield "error-null", None
 
 
+ANTHROPIC_WEATHER_TOOL = {
+    "name": WEATHER_TOOL["function"]["name"],
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
+TINY_PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def render_messages_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
+    """(name, body) pairs for ``/v1/messages/render`` (Anthropic Messages)."""
+    model = b.family.served_name
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    tools = [ANTHROPIC_WEATHER_TOOL]
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": '{"temperature": 21}'}
+    yield "plain", {"model": model, "max_tokens": 64, "messages": ask}
+    yield "system-text", {"model": model, "max_tokens": 64, "system": "You are terse.", "messages": ask}
+    yield "system-blocks", {
+        "model": model, "max_tokens": 64, "messages": ask,
+        "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in French."}],
+    }  # fmt: skip
+    yield "content-blocks", {
+        "model": model, "max_tokens": 64,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+    }  # fmt: skip
+    yield "tools-auto", {"model": model, "max_tokens": 64, "messages": ask, "tools": tools, "tool_choice": {"type": "auto"}}
+    yield "tools-any", {"model": model, "max_tokens": 64, "messages": ask, "tools": tools, "tool_choice": {"type": "any"}}
+    yield "tools-none", {"model": model, "max_tokens": 64, "messages": ask, "tools": tools, "tool_choice": {"type": "none"}}
+    yield "tools-named", {
+        "model": model, "max_tokens": 64, "messages": ask, "tools": tools,
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    }  # fmt: skip
+    yield "tool-use-and-result", {
+        "model": model, "max_tokens": 64, "tools": tools,
+        "messages": [*ask, {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, use]},
+                     {"role": "user", "content": [result]}],
+    }  # fmt: skip
+    yield "tool-result-blocks", {
+        "model": model, "max_tokens": 64, "tools": tools,
+        "messages": [*ask, {"role": "assistant", "content": [use]}, {"role": "user", "content": [
+            {**result, "content": [{"type": "text", "text": "21 degrees"}], "is_error": False},
+            {"type": "text", "text": "And tomorrow?"},
+        ]}],
+    }  # fmt: skip
+    yield "thinking-blocks", {
+        "model": model, "max_tokens": 64,
+        "messages": [*ask, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "The user wants weather.", "signature": "sig"},
+            {"type": "text", "text": "Sunny."},
+        ]}, {"role": "user", "content": "Thanks!"}],
+    }  # fmt: skip
+    yield "thinking-enabled", {"model": model, "max_tokens": 2048, "messages": ask, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    yield "thinking-disabled", {"model": model, "max_tokens": 64, "messages": ask, "thinking": {"type": "disabled"}}
+    yield "sampling", {
+        "model": model, "max_tokens": 32, "messages": ask, "temperature": 0.3, "top_p": 0.9, "top_k": 5,
+        "stop_sequences": ["\n\n"], "stream": True, "metadata": {"user_id": "u1"},
+    }  # fmt: skip
+    yield "unicode", {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "北京多云 🌧️ «ß»"}]}
+    yield "template-kwargs", {"model": model, "max_tokens": 16, "messages": ask, "chat_template_kwargs": {"custom_flag": True}}
+    # Errors.
+    yield "error-image", {
+        "model": model, "max_tokens": 16, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": TINY_PNG}},
+            {"type": "text", "text": "What is this?"},
+        ]}],
+    }  # fmt: skip
+    yield "error-unknown-model", {"model": "no-such-model", "max_tokens": 16, "messages": ask}
+    yield "error-no-max-tokens", {"model": model, "messages": ask}
+    yield "error-bad-role", {"model": model, "max_tokens": 16, "messages": [{"role": "robot", "content": "beep"}]}
+    yield "error-small-budget", {"model": model, "max_tokens": 64, "messages": ask, "thinking": {"type": "enabled", "budget_tokens": 10}}
+    yield "error-bad-tool-choice", {"model": model, "max_tokens": 16, "messages": ask, "tools": tools, "tool_choice": {"type": "sometimes"}}
+    yield "error-null", None
+
+
+def render_responses_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
+    """(name, body) pairs for ``/v1/responses/render`` (OpenAI Responses)."""
+    model = b.family.served_name
+    question = "What's the weather in Paris?"
+    tools = [RESPONSES_WEATHER_TOOL]
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'}
+    reasoning = {
+        "type": "reasoning", "id": "rs_1", "summary": [],
+        "content": [{"type": "reasoning_text", "text": "The user wants the weather."}],
+    }  # fmt: skip
+    yield "input-string", {"model": model, "input": question, "request_id": "resp-given-id"}
+    yield "drawn-id", {"model": model, "input": question}
+    yield "instructions", {"model": model, "input": question, "instructions": "You are terse."}
+    yield "input-items", {"model": model, "input": [{"role": "user", "content": question}]}
+    yield "input-message-parts", {
+        "model": model,
+        "input": [
+            {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "You are terse."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]},
+        ],
+    }  # fmt: skip
+    yield "tools-auto", {"model": model, "input": question, "tools": tools, "tool_choice": "auto"}
+    yield "tools-required", {"model": model, "input": question, "tools": tools, "tool_choice": "required"}
+    yield "tools-none", {"model": model, "input": question, "tools": tools, "tool_choice": "none"}
+    yield "function-call-history", {
+        "model": model, "tools": tools, "input": [{"role": "user", "content": question}, call, output],
+    }  # fmt: skip
+    yield "reasoning-item", {
+        "model": model, "tools": tools,
+        "input": [{"role": "user", "content": question}, reasoning, call, output],
+    }  # fmt: skip
+    yield "reasoning-effort", {"model": model, "input": question, "reasoning": {"effort": "low"}}
+    yield "sampling", {
+        "model": model, "input": question, "temperature": 0.2, "top_p": 0.9, "max_output_tokens": 20,
+        "stream": True, "truncation": "auto",
+    }  # fmt: skip
+    yield "unicode", {"model": model, "input": "北京多云 🌧️ «ß»"}
+    # Errors.
+    yield "error-previous-response-id", {"model": model, "input": question, "previous_response_id": "resp_1"}
+    yield "error-unknown-model", {"model": "no-such-model", "input": question}
+    yield "error-no-input", {"model": model}
+    yield "error-bad-temperature", {"model": model, "input": question, "temperature": "hot"}
+    yield "error-bad-item", {"model": model, "input": [{"type": "no_such_item"}]}
+    yield "error-null", None
+
+
+def tokenize_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
+    """(name, body) pairs for ``/tokenize``."""
+    model = b.family.served_name
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    yield "prompt", {"model": model, "prompt": "The weather in Paris is"}
+    yield "no-model", {"prompt": "The weather in Paris is", "return_token_strs": True}
+    yield "no-special-tokens", {"model": model, "prompt": "Paris", "add_special_tokens": False}
+    yield "unicode", {"model": model, "prompt": "北京多云 🌧️ «ß»", "return_token_strs": True}
+    yield "messages", {"model": model, "messages": ask}
+    yield "messages-tools", {"model": model, "messages": ask, "tools": [WEATHER_TOOL], "return_token_strs": True}
+    yield "messages-empty-tools", {"model": model, "messages": ask, "tools": []}
+    yield "messages-no-generation-prompt", {"model": model, "messages": ask, "add_generation_prompt": False}
+    yield "messages-continue-final", {
+        "model": model, "add_generation_prompt": False, "continue_final_message": True,
+        "messages": [*ask, {"role": "assistant", "content": "It is"}],
+    }  # fmt: skip
+    yield "messages-template-kwargs", {"model": model, "messages": ask, "chat_template_kwargs": {"custom_flag": True}}
+    yield "error-unknown-model", {"model": "no-such-model", "prompt": "x"}
+    yield "error-neither", {"model": model}
+    yield "error-untrusted-template", {"model": model, "messages": ask, "chat_template": "{{ messages }}"}
+    yield "error-both-generation-modes", {
+        "model": model, "messages": ask, "add_generation_prompt": True, "continue_final_message": True,
+    }  # fmt: skip
+    yield "error-null", None
+
+
+def detokenize_bodies(b: SampleBuilder) -> Iterator[tuple[str, Any]]:
+    """(name, body) pairs for ``/detokenize``."""
+    model = b.family.served_name
+    ids = b.encode("The weather in Paris is 北京多云 🌧️")
+    yield "tokens", {"model": model, "tokens": ids}
+    yield "no-model", {"tokens": ids[:3]}
+    yield "empty", {"model": model, "tokens": []}
+    yield "split-character", {"model": model, "tokens": ids[-1:]}
+    yield "error-out-of-vocabulary", {"model": model, "tokens": [10**9]}
+    yield "error-negative", {"model": model, "tokens": [-1]}
+    yield "error-unknown-model", {"model": "no-such-model", "tokens": ids}
+    yield "error-not-a-list", {"model": model, "tokens": "hello"}
+    yield "error-null", None
+
+
+PREPROCESSING_CORPORA = {
+    Endpoint.RENDER_MESSAGES: render_messages_bodies,
+    Endpoint.RENDER_RESPONSES: render_responses_bodies,
+    Endpoint.TOKENIZE: tokenize_bodies,
+    Endpoint.DETOKENIZE: detokenize_bodies,
+}
+"""The corpus of each endpoint beyond chat and completion rendering."""
+
+
+def preprocessing_bodies(b: SampleBuilder) -> list[tuple[Endpoint, str, Any]]:
+    """The corpora of messages, responses, tokenize and detokenize."""
+    return [(endpoint, name, body) for endpoint, bodies in PREPROCESSING_CORPORA.items() for name, body in bodies(b)]
+
+
 def render_bodies(b: SampleBuilder) -> list[tuple[Endpoint, str, Any]]:
-    """Both endpoints' corpus."""
+    """Every preprocessing endpoint's corpus: chat and completion rendering,
+    then messages, responses, tokenize and detokenize."""
     return [
         *((Endpoint.RENDER_CHAT, name, body) for name, body in render_chat_bodies(b)),
         *((Endpoint.RENDER_COMPLETION, name, body) for name, body in render_completion_bodies(b)),
+        *preprocessing_bodies(b),
     ]
 
 
@@ -137,5 +325,12 @@ def mismatches(answers: list[tuple[str, Answer]], server: list[tuple[str, int, b
 
 def posted(server: Any, endpoint: Endpoint, body: Any) -> tuple[int, bytes]:
     """The server's status and exact bytes for a body (``null`` for None)."""
-    response = server.post_raw(endpoint, json.dumps(body).encode())
+    raw = json.dumps(body).encode()
+    try:
+        response = server.post_raw(endpoint, raw)
+    except httpx.TransportError:
+        # After an exception escapes vLLM's app (it answers the 500 first:
+        # Mistral's tokenizer decoding an unknown id), uvicorn closes the
+        # connection, and the client's pool may send the next call on it.
+        response = server.post_raw(endpoint, raw)
     return response.status_code, response.content

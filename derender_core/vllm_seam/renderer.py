@@ -80,7 +80,10 @@ class RenderHalf:
                 [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
             )
         try:
-            request = route.body.validate_python(body, from_attributes=True)
+            # A copy of the top level: vLLM's validators replace fields of the
+            # dict they are given (a Responses request's input items, a chat
+            # request's defaults), and the caller's body stays as it was sent.
+            request = route.body.validate_python(dict(body) if type(body) is dict else body, from_attributes=True)
         except ValidationError as exc:
             # FastAPI reports body errors under a leading "body" location.
             return engine._validation_answer(
