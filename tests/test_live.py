@@ -105,8 +105,8 @@ def test_completion_streams_live_equal_replay(stack: Stack) -> None:
 
 @requires_fast("live")
 def test_live_steps_each_chunk_once(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Live mode steps the parser once per chunk; replay steps the whole
-    history again on every call."""
+    """Live mode and the fast replay step the parser once per chunk; vLLM's
+    replay steps the whole history again on every call."""
     from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
 
     steps = 0
@@ -124,10 +124,17 @@ def test_live_steps_each_chunk_once(qwen3_stack: Stack, monkeypatch: pytest.Monk
     answers(qwen3_stack.engine.in_mode(live=True), Endpoint.CHAT, bodies)
     assert steps == chunks
     steps = 0
-    answers(qwen3_stack.engine.in_mode(live=False), Endpoint.CHAT, bodies)
-    # Call k replays k - 1 chunks and steps its own; the usage-only chunk
-    # at the end replays all of them.
+    answers(qwen3_stack.engine.in_mode(live=False, replay="reference"), Endpoint.CHAT, bodies)
+    # vLLM's replay: call k replays k - 1 chunks and steps its own; the
+    # usage-only chunk at the end replays all of them.
     assert steps == chunks * (chunks + 1) // 2 + chunks
+    steps = 0
+    answers(qwen3_stack.engine.in_mode(live=False, replay="fast"), Endpoint.CHAT, bodies)
+    # The fast replay steps each chunk once, going on from each call's
+    # answer; the second call first rebuilds the first's one chunk from the
+    # state vLLM's replay answered, and the usage-only call after the finish
+    # is vLLM's replay of all of them (a finished stream does not go on).
+    assert steps == chunks + 1 + chunks
 
 
 @requires_fast("live")

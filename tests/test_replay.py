@@ -81,7 +81,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def replays(engine: DerenderEngine) -> Any:
     """The engine's `ReplayStreams` (its counters)."""
-    replay = engine._serving.online_derenderer._replay_chat_stream_parsed_async
+    replay = engine._serving.online_derenderer._derender_chat_stream_parsed_async
     return replay.__self__
 
 
@@ -158,6 +158,8 @@ def walk(engine: DerenderEngine, bodies: list[dict[str, Any]], steps: list[tuple
             break
         state = states[position]
         if action == "edit" and state is not None:
+            if hasattr(state, "to_model"):  # a live view: edited as a model
+                state = states[position] = state.to_model()
             _edit(state, arg)
         elif action == "captured" and state is not None:
             state = orjson.loads(orjson.dumps(state.model_dump()))

@@ -47,7 +47,6 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.parser import Parser
 from vllm.renderers.online_derenderer import (
-    OnlineDerenderer,
     _chat_top_logprobs_limit,
     _decode_params,
     _logprob_context_tail,
@@ -57,16 +56,7 @@ from vllm.renderers.online_derenderer import (
 
 from ..protocol import Answer, StreamAnswer
 from .answers import dump_state, json_answer, stream_answer
-from .fast import FastDerenderer
-
-_WINDOW_AS_IDS = "prev_token_ids" in DerenderStreamState.model_fields
-"""vLLM 0.34 carries the detokenizer window as ids (``prev_token_ids``,
-converted back to pieces on every chunk); 0.33 as pieces (``prev_tokens``).
-A live stream keeps the pieces either way (`_LiveStream.window`)."""
-
-_TOKENS_AS_IDS = hasattr(OnlineDerenderer, "_return_tokens_as_token_ids")
-"""vLLM 0.34 writes logprob tokens as ``token_id:N`` where the request (or
-the server's ``--return-tokens-as-token-ids``) asks; 0.33 ignores it there."""
+from .fast import TOKENS_AS_IDS, WINDOW_IDS, FastDerenderer
 
 
 class LiveDerenderer(FastDerenderer):
@@ -146,14 +136,19 @@ class _LiveStream:
         # With the fast decode, the window is kept as it is, not as a state
         # model rebuilt per chunk (`_decode`).
         self.table = derenderer.table if derenderer.fast else None
-        self.window = (
-            _window_pieces(self.tokenizer, self.detok, self.skip_special),
-            self.detok.prefix_offset,
-            self.detok.read_offset,
-        )
+        # (pieces, prefix_offset, read_offset), and the pieces' ids where
+        # vLLM steps those too (`fast.WINDOW_IDS`).
+        self.window: tuple[Any, ...] = ()
+        if self.table is not None:
+            self.window = (
+                self.table.window(self.detok, self.skip_special),
+                self.detok.prefix_offset,
+                self.detok.read_offset,
+                *((self.detok.prev_token_ids,) if WINDOW_IDS else ()),
+            )
         # What `_resolve_logprobs` takes besides 0.33's arguments.
         self.logprob_options: dict[str, Any] = {}
-        if _TOKENS_AS_IDS:
+        if TOKENS_AS_IDS:
             self.logprob_options["return_tokens_as_token_ids"] = derenderer._return_tokens_as_token_ids(request)
         # The history, replayed as vLLM replays it: one step per chunk,
         # none finished, text decoded with special tokens kept.
@@ -194,9 +189,12 @@ class _LiveStream:
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.table is not None:
-            text, *window = self.table.detokenize_delta(token_ids, *self.window, self.skip_special)
-            self.window = tuple(window)  # type: ignore[assignment]
-            return text
+            pieces, prefix_offset, read_offset, *ids = self.window
+            text, *window = self.table.detokenize_delta(
+                token_ids, pieces, prefix_offset, read_offset, self.skip_special, *ids
+            )
+            self.window = tuple(window)
+            return text  # type: ignore[no-any-return]
         text, self.detok = self.derenderer._detokenize_delta(
             self.tokenizer,
             token_ids,
@@ -305,15 +303,6 @@ class _LiveStream:
         self.version += 1
         self.live = chunk_finish_reason is None
         return delta_message, finish_reason, stop_reason, resolved_logprobs, self.snapshot()
-
-
-def _window_pieces(tokenizer: Any, state: DerenderStreamState, skip_special_tokens: bool) -> list[str]:
-    """The detokenizer window's pieces, as vLLM's ``_detokenize_delta``
-    reads them off the state it is given."""
-    if not _WINDOW_AS_IDS:
-        return list(state.prev_tokens)
-    ids = state.prev_token_ids
-    return [token or "" for token in tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)]
 
 
 class LiveState(NamedTuple):

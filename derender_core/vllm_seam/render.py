@@ -313,15 +313,28 @@ class DerenderEngine(CodeAPI):
             return self._validation_answer(
                 [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
             )
-        if self.live and self.decode == "fast" and endpoint is Endpoint.CHAT:
-            answer = self._chunk_lane().answer(body)
-            if answer is not None:
-                return answer
-        request = self._known_stream_request(endpoint, body) if self.live else None
+        if self.decode == "fast" and endpoint is Endpoint.CHAT:
+            if self.live:
+                answer = self._chunk_lane().answer(body)
+                if answer is not None:
+                    return answer
+            elif self.replay == "fast" and type(body) is dict:
+                # A replay call that goes on from this process's last answer
+                # takes the lane as a live call would (`replay.ReplayStreams`).
+                replays = getattr(self._serving.online_derenderer, "replay_streams", None)
+                if replays is not None and replays.lane_takes(body.get("stream_state")):
+                    answer = self._chunk_lane().answer(body)
+                    if answer is not None:
+                        replays.gone_on += 1
+                        return answer
+        # A stream's request is validated once, as in live mode, where a
+        # stream's calls go on from the previous one (`replay.ReplayStreams`).
+        keeps = self.live or self.replay == "fast"
+        request = self._known_stream_request(endpoint, body) if keeps else None
         if request is None:
             checked = _materialized(body)
             if (
-                self.live
+                keeps
                 and isinstance(body, Mapping)
                 and body.get("stream", False) is not False
                 and isinstance(body.get(endpoint.request_key), dict)
@@ -342,7 +355,7 @@ class DerenderEngine(CodeAPI):
                 return self._validation_answer(errors)
             except Exception as exc:  # RecursionError, say: the app's catch-all
                 return self.internal_error(exc)
-            if self.live:
+            if keeps:
                 self._remember_stream_request(endpoint, body, request)
         try:
             return self._run(self._dispatch(endpoint, request))
@@ -388,6 +401,12 @@ class DerenderEngine(CodeAPI):
                 request = _chat_requests().build(body.get("chat_request"))
                 if request is not None:
                     fast_body = {**body, "chat_request": request}
+                if self._fast_paths.logprobs:
+                    # Logprobs of the usual shape pass validation unbuilt,
+                    # for the derenderer to write (`logprobs.carried`).
+                    from .logprobs import carried
+
+                    fast_body = carried(fast_body, self._serving)
             try:
                 return one_shot.validate_python(fast_body, from_attributes=True)
             except Exception:  # noqa: BLE001 - the union answers it, as today
@@ -662,6 +681,7 @@ class _FastPaths(NamedTuple):
     responses: bool
     live: bool
     replay: bool
+    logprobs: bool
 
 
 def _fast_paths(serving: Any) -> _FastPaths:
@@ -670,7 +690,7 @@ def _fast_paths(serving: Any) -> _FastPaths:
     if not versions.proven("decode"):
         # fast.py imports vLLM's private names, which a release never seen
         # may have moved: not even imported then.
-        return _FastPaths(decode=False, requests=False, responses=False, live=False, replay=False)
+        return _FastPaths(decode=False, requests=False, responses=False, live=False, replay=False, logprobs=False)
     from .fast import FastDerenderer
 
     ours = isinstance(serving.online_derenderer, FastDerenderer)
@@ -681,6 +701,7 @@ def _fast_paths(serving: Any) -> _FastPaths:
         responses=decode and versions.proven("responses"),
         live=ours and decode and versions.proven("live"),
         replay=ours and decode and versions.proven("live") and versions.proven("replay"),
+        logprobs=decode and versions.proven("requests") and versions.proven("logprobs"),
     )
 
 

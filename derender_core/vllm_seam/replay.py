@@ -5,14 +5,19 @@ The render server keeps nothing between the calls of a parsed chat stream:
 ``ChatStreamProcessor`` on every call and replays the stream's whole history
 from the client-carried ``stream_state``, O(n) per call, O(n²) per stream.
 
-Here the client is this process. When a call's state is the very object this
-process answered the stream's previous call with, unchanged, for the same
-request, prompt ids, parser and decode, the replay that call would run
-rebuilds exactly the processor and detokenizer window the previous call left
-(`live._LiveStream`, held equal to vLLM's replay by the live proofs), so
-`ReplayStreams` goes on from those and steps only the call's own chunk. Any
-other state (edited, forked, retried, captured, from another process, after
-a finish or a failed step) is answered by vLLM's own replay.
+Here the client is this process. A call whose state is the one this process
+answered the stream's previous call with, for the same request and prompt
+ids, would rebuild exactly the processor and decode window that previous
+call left, so `ReplayStreams` goes on from them and steps only the call's
+own chunk (`live._LiveStream`, whose steps the live proofs hold equal to
+vLLM's replay). Such a state is answered as live mode answers it: a
+`live.LiveState`, an immutable view of the kept stream whose
+``to_model()`` is the state vLLM's replay returns, and whose history is not
+copied or serialised per call. Every other state (retried, forked, edited,
+captured, from another process, after a finished or failed step) is
+answered by vLLM's own replay; the state that replay answers with goes on
+at the next call, after one replay of its history, if it comes back
+unchanged.
 
 Every answer, chunk and state, is the one vLLM's replay gives:
 `tests/test_replay.py` holds the two equal call for call over every family's
@@ -22,13 +27,16 @@ tokenizer, with drawn chunkings, retries, forks and edited states.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionStreamResponse
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamResponse,
+)
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     DerenderStreamState,
     GenerateTokensStreamResponse,
@@ -55,89 +63,143 @@ _Replay = Callable[..., Awaitable[tuple[ChatCompletionStreamResponse, DerenderSt
 
 @dataclass
 class _Kept:
-    """What this process answered a stream's last call with, and what it
-    needs to go on from there."""
+    """A state vLLM's replay answered a call with, and what that replay was
+    given besides."""
 
     state: DerenderStreamState
     """The state handed out (held, so its id stays its own)."""
     parser_cls: type[Parser]
     request: ChatCompletionRequest
-    request_json: bytes
+    """The request the stream's processor was built for."""
     prompt_token_ids: list[int] | None
     decode_mode: str
     """The derenderer's decode mode for the call (`fast.FastDerenderer`)."""
     carried: dict[str, Any]
     """The state's other fields as handed out (a copy: edits in place show)."""
-    history: tuple[Any, ...] | None
-    """`_HISTORY`'s values as handed out, while `stream` is not built yet."""
-    stream: _LiveStream | None
-    view: LiveState | None
+    history: tuple[Any, ...]
+    """`_HISTORY`'s values as handed out (copies)."""
+
+    def same_request(self, request: ChatCompletionRequest) -> bool:
+        """Whether `request` builds the processor `self.request` built: the
+        same object (a stream's request is validated once, `render`), or
+        equal in Python and as JSON, which together tell apart what either
+        alone would take as the same (``1`` and ``true`` are equal in
+        Python, NaN is ``null`` in JSON), but for `_FRESH_PER_CALL`."""
+        kept = self.request
+        if kept is request:
+            return True
+        if type(kept) is not type(request):
+            return False
+        mine, theirs = dict(kept.__dict__), dict(request.__dict__)
+        for name in _FRESH_PER_CALL:
+            mine.pop(name, None)
+            theirs.pop(name, None)
+        if (
+            mine != theirs
+            or kept.__pydantic_private__ != request.__pydantic_private__
+            or kept.__pydantic_extra__ != request.__pydantic_extra__
+        ):
+            return False
+        written = _request_json(kept)
+        return written is not None and written == _request_json(request)
 
 
 class ReplayStreams:
-    """The replay path of a `LiveDerenderer` whose streams' next calls go on
-    from this process's last answer, while the derenderer's `replay_mode`
-    is "fast"; vLLM's own replay answers every other call."""
+    """The parsed chat streams of a `LiveDerenderer`: live mode's, and in
+    replay mode, while the derenderer's `replay_mode` is "fast", a stream's
+    next call gone on from this process's last answer; vLLM's own replay
+    answers every other call."""
 
-    def __init__(self, derenderer: LiveDerenderer, vllm_replay: _Replay) -> None:
+    def __init__(self, derenderer: LiveDerenderer) -> None:
         self.derenderer = derenderer
-        self.vllm_replay = vllm_replay
+        self.live_or_replay: _Replay = derenderer._derender_chat_stream_parsed_async
+        """`LiveDerenderer`'s dispatch: live, or vLLM's replay."""
+        self.vllm_replay: _Replay = derenderer._replay_chat_stream_parsed_async
         self.kept: OrderedDict[int, _Kept] = OrderedDict()
+        """The states vLLM's replay answered with, by id, that may go on."""
+        self.streams: weakref.WeakKeyDictionary[_LiveStream, tuple[type[Parser], str]] = weakref.WeakKeyDictionary()
+        """The streams this replay built, with the parser and decode mode
+        they were built for (live mode's are not gone on from here)."""
         self.gone_on = 0
         """Calls answered by stepping a kept stream, with no replay."""
 
     @classmethod
     def install(cls, derenderer: Any) -> None:
-        """Put the fast replay in the replay path of `derenderer`, once."""
+        """Put the fast replay in the parsed path of `derenderer`, once."""
         if not isinstance(derenderer, LiveDerenderer):
             return
-        current = derenderer._replay_chat_stream_parsed_async
+        current = derenderer._derender_chat_stream_parsed_async
         if isinstance(getattr(current, "__self__", None), cls):
             return
-        derenderer._replay_chat_stream_parsed_async = cls(derenderer, current).answer
+        streams = cls(derenderer)
+        derenderer._derender_chat_stream_parsed_async = streams.answer
+        derenderer.replay_streams = streams
         derenderer.replay_mode = "fast"
+
+    def lane_takes(self, state: Any) -> bool:
+        """Whether the live lane (`live.ChunkLane`, which runs on the fast
+        decode) may answer a replay call carrying `state`: a live state of a
+        stream this replay built on the fast decode. The lane then steps it
+        as `answer` would (`_LiveStream.advance`), if the state goes on."""
+        if type(state) is not LiveState:
+            return False
+        built = self.streams.get(state.stream)
+        return built is not None and built[1] == "fast"
 
     async def answer(
         self,
         parser_cls: type[Parser],
         model: str,
         generate_chunk: GenerateTokensStreamResponse,
-        state: DerenderStreamState,
+        state: DerenderStreamState | LiveState,
         chat_request: ChatCompletionRequest,
         prompt_tokens: int | None,
         prompt_token_ids: list[int] | None,
-    ) -> tuple[ChatCompletionStreamResponse, DerenderStreamState]:
+    ) -> tuple[ChatCompletionStreamResponse, DerenderStreamState | LiveState]:
         """``_derender_chat_stream_parsed``'s answer for this call."""
         derenderer = self.derenderer
-        if getattr(derenderer, "replay_mode", "fast") != "fast":
-            return await self.vllm_replay(
+        if derenderer.live or getattr(derenderer, "replay_mode", "fast") != "fast":
+            return await self.live_or_replay(
                 parser_cls, model, generate_chunk, state, chat_request, prompt_tokens, prompt_token_ids
             )
-        kept = self.kept.pop(id(state), None)
-        request_json = _request_json(chat_request)
-        if kept is None or not self._continues(kept, state, parser_cls, chat_request, request_json, prompt_token_ids):
-            chunk, new_state = await self.vllm_replay(
-                parser_cls, model, generate_chunk, state, chat_request, prompt_tokens, prompt_token_ids
-            )
-            if request_json is not None and type(new_state) is DerenderStreamState and _may_go_on(generate_chunk):
-                self._keep(new_state, parser_cls, chat_request, request_json, prompt_token_ids)
-            return chunk, new_state
-        stream, view = kept.stream, kept.view
-        if stream is None or view is None:
-            # The state vLLM's replay answered the previous call with: the
+        if isinstance(state, LiveState) and self._goes_on(state, parser_cls, chat_request, prompt_token_ids):
+            stream, view = state.stream, state
+            self.gone_on += 1
+        else:
+            if isinstance(state, LiveState):
+                state = state.to_model()
+            kept = self.kept.pop(id(state), None)
+            if kept is None or not self._continues(kept, state, parser_cls, chat_request, prompt_token_ids):
+                chunk, new_state = await self.vllm_replay(
+                    parser_cls, model, generate_chunk, state, chat_request, prompt_tokens, prompt_token_ids
+                )
+                if type(new_state) is DerenderStreamState and _may_go_on(generate_chunk):
+                    self._keep(new_state, parser_cls, chat_request, prompt_token_ids)
+                return chunk, new_state
+            # The state vLLM's replay answered the previous call with: its
             # history replayed as that replay would replay it, once.
             stream = _LiveStream(derenderer, parser_cls, state, chat_request, prompt_token_ids)
+            self.streams[stream] = (parser_cls, derenderer.decode_mode)
             view = stream.snapshot()
-        else:
-            self.gone_on += 1
-        chunk, new_view = stream.step(generate_chunk, view, model, prompt_tokens)
-        new_state = new_view.to_model()
-        if stream.live and _may_go_on(generate_chunk):
-            self.kept[id(new_state)] = dataclasses.replace(
-                kept, state=new_state, request=chat_request, history=None, stream=stream, view=new_view
-            )
-            self._bound()
-        return chunk, new_state
+        return stream.step(generate_chunk, view, model, prompt_tokens)
+
+    def _goes_on(
+        self,
+        state: LiveState,
+        parser_cls: type[Parser],
+        request: ChatCompletionRequest,
+        prompt_token_ids: list[int] | None,
+    ) -> bool:
+        """Whether a live state is the last a kept stream gave, unfinished,
+        for this request object (validated once per stream, `render`) and
+        these prompt ids, parser and decode."""
+        built = self.streams.get(state.stream)
+        return (
+            built is not None
+            and built[0] is parser_cls
+            and built[1] == self.derenderer.decode_mode
+            and state.continues(request, prompt_token_ids)
+        )
 
     def _continues(
         self,
@@ -145,7 +207,6 @@ class ReplayStreams:
         incoming: DerenderStreamState,
         parser_cls: type[Parser],
         request: ChatCompletionRequest,
-        request_json: bytes | None,
         prompt_token_ids: list[int] | None,
     ) -> bool:
         """Whether vLLM's replay of this call would rebuild what `kept`
@@ -158,33 +219,19 @@ class ReplayStreams:
             or state.__pydantic_extra__
             or kept.parser_cls is not parser_cls
             or kept.decode_mode != self.derenderer.decode_mode
-            or kept.request_json != request_json
             or kept.prompt_token_ids != prompt_token_ids
-            or not _same_request(kept.request, request)
+            or not kept.same_request(request)
         ):
             return False
         if any(getattr(state, name) != value for name, value in kept.carried.items()):
             return False
-        if kept.stream is None or kept.view is None:
-            return kept.history == tuple(getattr(state, name) for name in _HISTORY)
-        stream, view = kept.stream, kept.view
-        return (
-            stream.live
-            and stream.version == view.version
-            and state.role_sent is view.role_sent
-            and state.tools_streamed is view.tools_streamed
-            and state.output_token_ids == stream.token_ids
-            and state.output_chunk_lens == stream.chunk_lens
-            and state.last_tool_call_ids == stream.tool_call_ids
-            and tuple(state.logprob_context_token_ids) == view.logprob_context_token_ids
-        )
+        return kept.history == tuple(getattr(state, name) for name in _HISTORY)
 
     def _keep(
         self,
         state: DerenderStreamState,
         parser_cls: type[Parser],
         request: ChatCompletionRequest,
-        request_json: bytes,
         prompt_token_ids: list[int] | None,
     ) -> None:
         """Remember the state vLLM's replay answered a call with."""
@@ -193,13 +240,10 @@ class ReplayStreams:
             state=state,
             parser_cls=parser_cls,
             request=request,
-            request_json=request_json,
             prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
             decode_mode=self.derenderer.decode_mode,
             carried=copy.deepcopy(carried),
             history=tuple(copy.copy(getattr(state, name)) for name in _HISTORY),
-            stream=None,
-            view=None,
         )
         self._bound()
 
@@ -223,29 +267,9 @@ processor whatever they hold."""
 
 
 def _request_json(request: ChatCompletionRequest) -> bytes | None:
-    """The validated request as JSON, which with Python's equality
-    (`_same_request`) tells apart what either alone would take as the same
-    (``1`` and ``true`` are equal in Python, NaN is ``null`` in JSON); None
-    where it cannot be written (never the same then)."""
+    """The request as JSON, but for `_FRESH_PER_CALL`; None where it
+    cannot be written (never the same then)."""
     try:
         return request.model_dump_json(exclude=_FRESH_PER_CALL).encode()
     except Exception:  # noqa: BLE001 - any failure: never taken as the same
         return None
-
-
-def _same_request(kept: ChatCompletionRequest, request: ChatCompletionRequest) -> bool:
-    """Python's equality of two validated requests (pydantic's: the class,
-    the fields, the private and extra values), but for `_FRESH_PER_CALL`."""
-    if kept is request:
-        return True
-    if type(kept) is not type(request):
-        return False
-    mine, theirs = dict(kept.__dict__), dict(request.__dict__)
-    for name in _FRESH_PER_CALL:
-        mine.pop(name, None)
-        theirs.pop(name, None)
-    return (
-        mine == theirs
-        and kept.__pydantic_private__ == request.__pydantic_private__
-        and kept.__pydantic_extra__ == request.__pydantic_extra__
-    )
