@@ -21,8 +21,8 @@ from importlib import metadata
 
 PROVEN: dict[str, tuple[str, ...]] = {
     "decode": ("0.33.0",),
-    "requests": ("0.33.0",),
-    "responses": ("0.33.0",),
+    "requests": ("0.33.0", "0.34.0"),
+    "responses": ("0.33.0", "0.34.0"),
     "live": ("0.33.0",),
     "replay": ("0.33.0",),
     "serve": ("0.33.0", "0.34.0"),
