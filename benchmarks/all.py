@@ -17,7 +17,11 @@ everywhere):
    tokens);
 3. stream: a live 8,192-token stream, one token per chunk, against the work
    vLLM itself must do per chunk (`stream_floor.measure`);
-4. ray: one Ray actor against one local worker (`ray_actor.measure`).
+4. ray: one Ray actor against one local worker (`ray_actor.measure`);
+5. logprobs: one-shot records with logprobs against their logprob floor
+   (`logprobs.measure` in benchmarks/logprobs.py: chat at 400 and 8,000 tokens with top 0, 5 and 20,
+   completion at 8,000 with 5; each answer checked equal to ``--decode
+   reference``'s and the floor's message to derender's).
 
 --quick scales every section down (fewer records and rounds, no profiles)
 for a sanity run: its figures are rougher than a full run's. The machine
@@ -36,6 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import logprobs as logprob_floor
 import parent
 import ray_actor
 import record_floor
@@ -44,7 +49,7 @@ from _common import REPO, sample_engine
 from derender_core import DerenderEngine
 from tests.sample_inputs import SampleBuilder, qwen3_family
 
-SECTIONS = ("record", "parent", "stream", "ray")
+SECTIONS = ("record", "parent", "stream", "ray", "logprobs")
 RECORD_TARGET = 1.5
 """A whole record at most this multiple of its job floor (30 and 400
 tokens, no logprobs), and ``engine.chat`` on a 16-token answer of its."""
@@ -163,6 +168,12 @@ def ray_section(engine: DerenderEngine, quick: bool) -> list[Verdict]:
     return [Verdict("one Ray actor / one local worker, records/s", figures.ratio, ray_actor.TARGET, at_most=False)]
 
 
+def logprobs_section(engine: DerenderEngine, quick: bool, repeat: int) -> list[Verdict]:
+    """Section 5: records with logprobs against their logprob floor."""
+    rows = logprob_floor.measure(engine, repeat=2 if quick else min(repeat, 5), quick=quick)
+    return [Verdict(f"record / logprob floor, {row.case.name}", row.ratio, logprob_floor.TARGET, at_most=True) for row in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a sanity run: every section scaled down")
@@ -184,6 +195,8 @@ def main() -> None:
          lambda: stream_section(engine, args.quick, repeat)),
         ("ray", "4. One Ray actor vs one local worker",
          lambda: ray_section(engine, args.quick)),
+        ("logprobs", "5. Records with logprobs vs their logprob floor (Qwen3 + hermes one-shot, per record)",
+         lambda: logprobs_section(engine, args.quick, repeat)),
     ]  # fmt: skip
     verdicts: list[Verdict] = []
     for key, title, section in sections:

@@ -32,6 +32,7 @@ that overrides the decode methods) gets no table, and vLLM's own functions run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -69,6 +70,7 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 
 from ..errors import ConfigError
 from . import parsers
+from . import logprobs as raw_logprobs
 
 # What moved between the supported releases, each read off vLLM's own code
 # (not its version string), so one code path is exact on both.
@@ -413,6 +415,11 @@ class _Decoding:
         )
         backend_decode = tokenizer.backend_tokenizer.decode
         self._decode: Any = (lambda ids: backend_decode(ids, skip_special_tokens=False)) if plain else tokenizer.decode
+        self.uncached: Any = (
+            functools.partial(backend_decode, skip_special_tokens=False) if plain else tokenizer.decode
+        )
+        """`_decode` itself, with no memo and no Python frame around the
+        Rust call: the same strings as `decode`."""
         self._known: parsers.Remembered[tuple[int, ...], str] = parsers.Remembered(self.KEPT)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -543,6 +550,8 @@ class FastDerenderer(OnlineDerenderer):
         self.decode_mode = "fast"
         self.tokenizer = single_thread_view(self.renderer.get_tokenizer())
         self.table = token_table(self.tokenizer)
+        self.fragments = raw_logprobs.Fragments(self.table) if self.table is not None else None
+        """The table's logprob fragments (`raw_logprobs.Fragments`)."""
         self.spliced: list[str | None] = []
         parsers.install()
         # vLLM hands each call to the renderer's executor (inline here,
@@ -689,11 +698,19 @@ class FastDerenderer(OnlineDerenderer):
                 raise ValueError(f"choice {choice.index} has empty or null token_ids")
             resolved_logprobs, spliced = None, None
             if choice.logprobs is not None and not hide_metadata:
-                spliced = render_chat_logprobs(
-                    self.table.resolve_logprobs(choice.logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
-                )
+                generate_logprobs = choice.logprobs
+                if type(generate_logprobs) is raw_logprobs.RawLogProbs and not options.get("return_tokens_as_token_ids"):
+                    # Checked in the body, written from it (`raw_logprobs`).
+                    spliced = raw_logprobs.chat_json(self.fragments, generate_logprobs.usual, top_limit)
+                else:
+                    generate_logprobs = raw_logprobs.validated(generate_logprobs)
+                    spliced = render_chat_logprobs(
+                        self.table.resolve_logprobs(generate_logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
+                    )
                 if spliced is None:  # not serialisable: vLLM's models fail as they do
-                    resolved_logprobs = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit, **options)
+                    resolved_logprobs = _resolve_logprobs(
+                        raw_logprobs.validated(generate_logprobs), tokenizer, top_limit=top_limit, **options
+                    )
             decoded_text, stop_reason = self._decode_output(
                 tokenizer, choice.token_ids, choice.finish_reason, choice.stop_reason, chat_request,
                 seed_state, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between,
@@ -758,12 +775,19 @@ class FastDerenderer(OnlineDerenderer):
                 )  # fmt: skip
                 completion_logprobs, spliced = None, None
                 if choice.logprobs is not None:
-                    spliced = render_completion_logprobs(
-                        self.table.resolve_logprobs(choice.logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
-                    )
+                    generate_logprobs = choice.logprobs
+                    if type(generate_logprobs) is raw_logprobs.RawLogProbs and not options.get("return_tokens_as_token_ids"):
+                        # Checked in the body, written from it (`raw_logprobs`).
+                        spliced = raw_logprobs.completion_json(self.fragments, generate_logprobs.usual, top_limit)
+                    else:
+                        generate_logprobs = raw_logprobs.validated(generate_logprobs)
+                        spliced = render_completion_logprobs(
+                            self.table.resolve_logprobs(generate_logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
+                        )
                     if spliced is None:
-                        resolved = _resolve_logprobs(choice.logprobs, tokenizer, top_limit=top_limit, **options)
-                        completion_logprobs = _convert_chat_logprobs_to_completion_logprobs(resolved, choice.logprobs)
+                        generate_logprobs = raw_logprobs.validated(generate_logprobs)
+                        resolved = _resolve_logprobs(generate_logprobs, tokenizer, top_limit=top_limit, **options)
+                        completion_logprobs = _convert_chat_logprobs_to_completion_logprobs(resolved, generate_logprobs)
                 choices.append(
                     CompletionResponseChoice(
                         index=index,

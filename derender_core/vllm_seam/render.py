@@ -401,12 +401,12 @@ class DerenderEngine(CodeAPI):
                 request = _chat_requests().build(body.get("chat_request"))
                 if request is not None:
                     fast_body = {**body, "chat_request": request}
-                if self._fast_paths.logprobs:
-                    # Logprobs of the usual shape pass validation unbuilt,
-                    # for the derenderer to write (`logprobs.carried`).
-                    from .logprobs import carried
+            if self._fast_paths.logprobs:
+                # Logprobs of the usual shape pass validation unbuilt, for
+                # the derenderer to write (`logprobs.carried`).
+                from .logprobs import carried
 
-                    fast_body = carried(fast_body, self._serving)
+                fast_body = carried(fast_body, self._serving)
             try:
                 return one_shot.validate_python(fast_body, from_attributes=True)
             except Exception:  # noqa: BLE001 - the union answers it, as today

@@ -25,6 +25,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "responses": ("0.33.0", "0.34.0"),
     "live": ("0.33.0",),
     "replay": ("0.33.0",),
+    "logprobs": ("0.33.0",),
     "serve": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0", "0.34.0"),
 }
@@ -42,6 +43,9 @@ PROVEN: dict[str, tuple[str, ...]] = {
   process's previous call where the call's state is the one that call
   answered (`replay.ReplayStreams`), in place of replaying the whole
   history (needs ``live``'s stream);
+- ``logprobs``: a one-shot chat or completion choice's logprobs of the usual shape
+  checked in the loaded body and written from it, with no model per
+  position (`logprobs`; needs ``decode`` and ``requests``);
 - ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
   a scripted engine core through private internals (no reference path:
   refused on other releases);

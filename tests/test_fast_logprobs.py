@@ -1,0 +1,313 @@
+"""The one-shot chat logprobs written from the loaded body (fast path
+``logprobs``, `derender_core.vllm_seam.logprobs`) against vLLM's own
+validation, bounds and ``_resolve_logprobs``, over every family's real
+tokenizer, and whole answers against ``--decode reference``.
+
+Logprobs are drawn by hypothesis: sizes, ids (ordinary, special, byte and
+cut pieces, past the vocabulary, negative, huge, of other types), logprobs
+(finite, ``-0.0``, tiny, ``nan`` and the infinities, ints, bools, strings),
+ranks, missing and extra keys, candidates past ``max_logprobs``, and the
+endpoint's cut (``top_logprobs`` 0 to 20, -1, none). Where the structural
+check takes a field, pydantic must validate it to the same values and
+vLLM's bounds must pass; the JSON written must be the bytes vLLM's models
+serialise to, or None exactly where they cannot be serialised.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from derender_core import DerenderEngine, Endpoint
+from derender_core.batch import Job
+from derender_core.coverage import families_here
+from tests.conftest import sample_config
+from tests.decode_proof import _pools, outcome
+from tests.families import CASES, SPECS, render_config
+from tests.helpers import jsonl_answers, normalize, requires_fast
+from tests.sample_inputs import SampleBuilder, chat_bodies, completion_bodies, qwen3_family
+
+pytestmark = requires_fast("decode", "requests", "responses", "logprobs")
+
+TOKENIZERS = ["qwen3", *(case.key for case in families_here() if case.key != "qwen3")]
+
+
+@pytest.fixture(scope="module", params=TOKENIZERS)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DerenderEngine]:
+    """One family's engine (the bundled sample's for qwen3)."""
+    if request.param == "qwen3":
+        config = sample_config()
+    else:
+        model_dir = tmp_path_factory.mktemp("models") / request.param
+        SPECS[request.param].build(model_dir)
+        config = render_config(CASES[request.param], model_dir)
+    built = DerenderEngine.build(config)
+    yield built
+    built.close()
+
+
+def _dumps(content: Any) -> str:
+    """As the endpoints' ``JSONResponse`` serialises."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+FLOATS = st.one_of(
+    st.floats(-40, 0),
+    st.floats(-40, 0),
+    st.sampled_from([0.0, -0.0, -1e-5, -2.5e-7, -1e-300, -9999.0, -1e16, 1.5]),
+    st.sampled_from([math.nan, math.inf, -math.inf]),
+)
+ODD_VALUES = st.sampled_from([True, False, 3, -2, "1", "x", None, 1.0, [], {}])
+
+
+def _candidate(data: Any, ids: Any, *, entry: bool, odd: bool) -> Any:
+    """One generate logprob dict: of the usual shape unless `odd`, then
+    perhaps not."""
+    if odd and data.draw(st.integers(0, 30), label="odd candidate") == 0:
+        return data.draw(st.sampled_from([None, 1, "x", [], {}]), label="not a dict")
+    item: dict[str, Any] = {"token_id": data.draw(ids, label="token_id"), "logprob": data.draw(FLOATS, label="logprob")}
+    ranks = ["absent", "absent", None, 1, 7, 2**70] + (["2", True, 1.0] if odd else [])
+    rank = data.draw(st.sampled_from(ranks), label="rank")
+    if rank != "absent":
+        item["rank"] = rank
+    change = data.draw(st.integers(0, 12), label="odd field") if odd else -1
+    if change == 0:
+        item[data.draw(st.sampled_from(["token_id", "logprob"]))] = data.draw(ODD_VALUES, label="odd value")
+    elif change == 1:
+        del item[data.draw(st.sampled_from(["token_id", "logprob"]))]
+    elif change == 2:
+        item[data.draw(st.sampled_from(["extra", "top_logprobs" if not entry else "token"]))] = 1
+    return item
+
+
+def drawn_logprobs(data: Any, engine: DerenderEngine, *, max_size: int = 10) -> Any:
+    """A choice's ``logprobs`` field as a body may hold it."""
+    derenderer = engine._serving.online_derenderer
+    pools = _pools(derenderer)
+    usual_ids = st.sampled_from(pools["ordinary"] + pools["special"] + pools["byte"] + pools["cut"])
+    ids = usual_ids | st.sampled_from(pools["oov"] + [2**31, 2**63, 2**70]) if data.draw(st.booleans()) else usual_ids
+    odd = data.draw(st.integers(0, 3), label="odd field") == 0
+    shape = data.draw(st.integers(0, 30), label="field shape")
+    if shape == 0:
+        return data.draw(st.sampled_from([{}, {"content": None}, {"content": []}, {"content": [], "x": 1}, [], "x"]))
+    content = []
+    for _ in range(data.draw(st.integers(0, max_size), label="positions")):
+        entry = _candidate(data, ids, entry=True, odd=odd)
+        if type(entry) is dict:
+            shapes = ["usual", "usual", "usual", "absent", "empty", "many"] + (["none"] if odd else [])
+            tops = data.draw(st.sampled_from(shapes), label="tops")
+            if tops in ("usual", "many"):
+                sampled = {k: v for k, v in entry.items() if k in ("token_id", "logprob", "rank")}
+                count = data.draw(st.integers(0, 5) if tops == "usual" else st.integers(19, 22), label="candidates")
+                entry["top_logprobs"] = [sampled] + [_candidate(data, ids, entry=False, odd=odd) for _ in range(count)]
+            elif tops == "empty":
+                entry["top_logprobs"] = []
+            elif tops == "none":
+                entry["top_logprobs"] = None
+        content.append(entry)
+    return {"content": content}
+
+
+def _bounds_error(engine: DerenderEngine, validated: Any) -> Any:
+    """vLLM's bounds check of a choice carrying these logprobs."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensChoice, GenerateTokensResponse
+
+    choice = GenerateTokensChoice(index=0, token_ids=[1], logprobs=validated)
+    return engine._serving._validate_derender_bounds([GenerateTokensResponse(request_id="r", choices=[choice])])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_the_written_logprobs_are_vllms(engine: DerenderEngine, data: Any) -> None:
+    """Where the structural check takes a field, validation accepts it as
+    it is and vLLM's bounds pass; its JSON is the models' JSON."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+    from vllm.renderers.online_derenderer import _convert_chat_logprobs_to_completion_logprobs, _resolve_logprobs
+
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+
+    serving = engine._serving
+    derenderer = serving.online_derenderer
+    if engine.decoder_kind == "reference":
+        body = {"generate_response": {"choices": [{"index": 0, "logprobs": {"content": []}}]}}
+        assert raw_logprobs.carried(body, serving) is body  # no table: vLLM's models, as before
+        pytest.skip("this tokenizer runs vLLM's own path: there is no fast path to compare")
+    field = drawn_logprobs(data, engine)
+    top_limit = data.draw(st.sampled_from([None, 0, 1, 2, 5, 20]), label="top_limit")
+    config = serving.model_config
+    usual = raw_logprobs.usual_content(copy.deepcopy(field), config.max_model_len, config.max_logprobs)
+    try:
+        validated = GenerateLogProbs.model_validate(copy.deepcopy(field))
+    except ValidationError:
+        assert usual is None, field
+        event("invalid: declined")
+        return
+    if usual is None:
+        event("valid: declined")
+        return
+    event("taken")
+    assert raw_logprobs.RawLogProbs.of(usual).validated() == validated
+    assert _bounds_error(engine, validated) is None
+
+    def reference() -> tuple[str | None, str | None]:
+        resolved = _resolve_logprobs(validated, derenderer.tokenizer, top_limit=top_limit)
+        completion = _convert_chat_logprobs_to_completion_logprobs(resolved, validated)
+        return _written(resolved), _written(completion)
+
+    def fast() -> tuple[str | None, str | None]:
+        return (
+            raw_logprobs.chat_json(derenderer.fragments, usual, top_limit),
+            raw_logprobs.completion_json(derenderer.fragments, usual, top_limit),
+        )
+
+    got, want = outcome(fast), outcome(reference)
+    if got[0] == "returned" and want[0] == "returned" and got[1][1] is None:
+        # A non-finite logprob sends the completion to vLLM's own models,
+        # which are exact, also where a repeated token hides it.
+        got = ("returned", (got[1][0], want[1][1]))
+    assert got == want, (field, top_limit)
+
+
+def _written(model: Any) -> str | None:
+    """A response model's JSON, None where a non-finite float stops it."""
+    try:
+        return _dumps(model.model_dump())
+    except ValueError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def sample() -> Iterator[tuple[DerenderEngine, list[dict[str, Any]]]]:
+    engine = DerenderEngine.build(sample_config())
+    b = SampleBuilder(qwen3_family(Path(sample_config().model or "")))
+    bodies = [(Endpoint.CHAT, body) for body in chat_bodies(b) if body.get("generate_response", {}).get("choices")]
+    bodies += [(Endpoint.COMPLETION, body) for body in completion_bodies(b)]
+    yield engine, bodies
+    engine.close()
+
+
+def _answer(engine: DerenderEngine, body: dict[str, Any], endpoint: Endpoint = Endpoint.CHAT) -> tuple[Any, ...]:
+    import vllm.logger
+
+    from derender_core.logs import collected_vllm_logs
+    from tests.helpers import normalized_bytes
+
+    vllm.logger._print_warning_once.cache_clear()
+    with collected_vllm_logs(verbose=False) as logs:
+        answer = engine.post(endpoint, copy.deepcopy(body))
+    # vLLM warns once per process for each id past the vocabulary; the
+    # token table decodes each id once per process, so the fast decode
+    # says it the first time only, where this test clears vLLM's memory.
+    lines = [line.key for line in logs if not line.key[2].startswith(_NO_VOCAB_ENTRY)]
+    return answer.status, normalized_bytes(answer.raw), lines
+
+
+_NO_VOCAB_ENTRY = "decode_token_ids: token_id %d has no vocab entry"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_answers_with_logprobs_are_the_reference_answers(sample: Any, data: Any) -> None:
+    """Whole one-shot chat answers with drawn logprobs and requests: the
+    same status, bytes and vLLM log lines as ``--decode reference``, and
+    the same records through a job, strict and ``--lenient``."""
+    engine, bodies = sample
+    endpoint, base = data.draw(st.sampled_from(bodies), label="base body")
+    body = copy.deepcopy(base)
+    responses = [body["generate_response"]] if endpoint is Endpoint.CHAT else body["generate_responses"]
+    for choice in (choice for response in responses for choice in response["choices"]):
+        if data.draw(st.booleans(), label="logprobs on the choice"):
+            choice["logprobs"] = drawn_logprobs(data, engine, max_size=6)
+    request = body.get(endpoint.request_key)
+    if isinstance(request, dict) and endpoint is Endpoint.CHAT:
+        request["logprobs"] = data.draw(st.sampled_from([True, True, False, None]), label="logprobs")
+        if request["logprobs"]:
+            request["top_logprobs"] = data.draw(st.sampled_from([0, 1, 5, 20, -1, None]), label="top_logprobs")
+        if data.draw(st.booleans(), label="vary include_reasoning"):
+            request["include_reasoning"] = data.draw(st.booleans())
+        if data.draw(st.integers(0, 8), label="logprob_token_ids") == 0:
+            request["logprob_token_ids"] = [1, 2]
+    elif isinstance(request, dict):
+        request["logprobs"] = data.draw(st.sampled_from([None, 0, 1, 5, 19, -1]), label="logprobs")
+    fast = _answer(engine, body, endpoint)
+    assert fast == _answer(engine.in_mode(decode="reference"), body, endpoint), body
+    event(f"status {fast[0]}" + (f": {orjson.loads(fast[1])['error']['message'][:40]}" if fast[0] != 200 else ""))
+    if data.draw(st.integers(0, 4), label="through a job") == 0:
+        line = orjson.dumps(body) if _finite(body) else None
+        if line is not None:
+            lenient = data.draw(st.booleans(), label="lenient")
+            job = Job(endpoint, stream=False, lenient=lenient)
+            got, code = jsonl_answers(engine.in_mode(live=True), job, [line])
+            want, want_code = jsonl_answers(engine.in_mode(live=True, decode="reference"), job, [line])
+            assert (normalize(got), code) == (normalize(want), want_code)
+
+
+def _finite(body: Any) -> bool:
+    """Whether the body can be written as a JSON line (no non-finite float)."""
+    try:
+        orjson.dumps(body)
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError, orjson.JSONEncodeError):
+        return False
+    return True
+
+
+def test_the_usual_record_takes_the_fast_path(sample: Any) -> None:
+    """A usual body's logprobs reach the derenderer unvalidated, and the
+    answer is the reference one."""
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+
+    engine, bodies = sample
+    body = copy.deepcopy(bodies[0][1])
+    choice = body["generate_response"]["choices"][0]
+    from tests.sample_inputs import logprobs_for
+
+    choice["logprobs"] = logprobs_for(choice["token_ids"], top=6)
+    body["chat_request"].update(logprobs=True, top_logprobs=5)
+    written: list[int] = []
+    chat_json = raw_logprobs.chat_json
+
+    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
+        written.append(len(usual.content))
+        return chat_json(fragments, usual, top_limit)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(raw_logprobs, "chat_json", spy)
+        fast = _answer(engine, body)
+    assert written == [len(choice["token_ids"])]
+    assert body["generate_response"]["choices"][0]["logprobs"]["content"][0]["token_id"] == choice["token_ids"][0]
+    assert fast == _answer(engine.in_mode(decode="reference"), body)
+
+
+def test_the_usual_completion_takes_the_fast_path(sample: Any) -> None:
+    """A usual completion body's logprobs, too."""
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+    from tests.sample_inputs import logprobs_for
+
+    engine, bodies = sample
+    body = copy.deepcopy(next(body for endpoint, body in bodies if endpoint is Endpoint.COMPLETION))
+    choice = body["generate_responses"][0]["choices"][0]
+    choice["logprobs"] = logprobs_for(choice["token_ids"], top=6)
+    body["completion_request"]["logprobs"] = 5
+    written: list[int] = []
+    completion_json = raw_logprobs.completion_json
+
+    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
+        written.append(len(usual.content))
+        return completion_json(fragments, usual, top_limit)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(raw_logprobs, "completion_json", spy)
+        fast = _answer(engine, body, Endpoint.COMPLETION)
+    assert written == [len(choice["token_ids"])]
+    assert fast == _answer(engine.in_mode(decode="reference"), body, Endpoint.COMPLETION)
