@@ -51,8 +51,8 @@ def records_file(directory: Path, body: dict, count: int, name: str) -> Path:
 
 def per_path(engines: dict, body: dict, count: int, warm_up: dict) -> dict[str, float]:
     """Records per second of each path alone, as parity runs it (`Parity`
-    over that one path: its answers, nothing compared), after one record
-    of `warm_up`."""
+    over that one path, a window of requests at a time: its answers,
+    nothing compared), after one record of `warm_up`."""
     figures = {}
     chunking = Chunking(1)
     streams = [(chunking.name, stream_bodies(body, Endpoint.CHAT, chunking))]
@@ -60,8 +60,9 @@ def per_path(engines: dict, body: dict, count: int, warm_up: dict) -> dict[str, 
         checker = Parity({path: engines[path]}, Endpoint.CHAT, ignore={"prompt_token_ids"})
         checker.examine(Request("warm-up", one_shot=warm_up, streams=[(chunking.name, stream_bodies(warm_up, Endpoint.CHAT, chunking))]))
         started = time.perf_counter()
-        for number in range(count):
-            checker.examine(Request(f"r-{number}", one_shot=body, streams=streams))
+        # As `derender parity` runs them: a window at a time (the serve paths batch it).
+        for _ in checker.examined(Request(f"r-{number}", one_shot=body, streams=streams) for number in range(count)):
+            pass
         figures[path] = count / (time.perf_counter() - started)
     return figures
 

@@ -21,11 +21,14 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from .checks import check_body
-from .protocol import Answer, Endpoint
+from .protocol import WINDOW, Answer, Endpoint, Script
+
+_T = TypeVar("_T")
 
 
 class RenderError(Exception):
@@ -54,6 +57,19 @@ class CodeAPI:
 
     def bad_request(self, message: str) -> Answer:  # the engine's
         raise NotImplementedError
+
+    def drive(self, scripts: Iterable[Script[_T]], *, window: int = WINDOW) -> Iterator[_T]:
+        """Each script run to its end, one at a time, its calls answered by
+        `post`, each in the script's own context (`protocol.Script`); the
+        results in order. An engine that answers many calls together (the
+        serve path) overrides this; `window` is its bound."""
+        for script in scripts:
+            yield run_script(script, self.post)
+
+    def post_many(self, endpoint: Endpoint, bodies: Iterable[Any], *, window: int = WINDOW) -> Iterator[Answer]:
+        """`post` for each of `bodies` (independent calls), in order,
+        through `drive`: the serve path answers `window` at once."""
+        return self.drive((_one_call(endpoint, body) for body in bodies), window=window)
 
     def chat(
         self,
@@ -229,6 +245,28 @@ class CodeAPI:
                     raise
                 answers.append(exc)
         return answers
+
+def run_script(script: Script[_T], post: Any) -> _T:
+    """`script` run to its end in a context of its own, each call it makes
+    answered by `post(endpoint, body)` in that context; a call that raises
+    raises in the script."""
+    context = contextvars.copy_context()
+    step: Any = script.send
+    answer: Any = None
+    while True:
+        try:
+            endpoint, body = context.run(step, answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        try:
+            step, answer = script.send, context.run(post, endpoint, body)
+        except Exception as exc:  # raised in the script, where it made the call
+            step, answer = script.throw, exc
+
+
+def _one_call(endpoint: Endpoint, body: Any) -> Script[Answer]:
+    return (yield endpoint, body)
+
 
 def _generate_response(output: Output, finish_reason: str | None) -> Any:
     if isinstance(output, Mapping):

@@ -871,7 +871,7 @@ def run_parity(
             examined = pool.examined(_skipping(inputs, result, done, on_skip))
         else:
             checker = work.checker(engines)
-            examined = ((r, checker.examine(r)) for r in _skipping(inputs, result, done, on_skip))
+            examined = checker.examined(_skipping(inputs, result, done, on_skip))
         progress = Report()
         started = time.perf_counter()
         last_checkpoint = started
@@ -1112,7 +1112,7 @@ def _parity_worker_examine(chunk: list[Request]) -> bytes | str:
         return str(_PARITY_WORKER["failed"])
     try:
         checker = _PARITY_WORKER["checker"]
-        return pickle.dumps([checker.examine(request) for request in chunk], protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps([e for _, e in checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
         return traceback.format_exc()
 
@@ -1184,7 +1184,7 @@ class _ParityActor:
 
     def examine(self, chunk: list[Request]) -> bytes | str:
         try:
-            return pickle.dumps([self.checker.examine(request) for request in chunk], protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps([e for _, e in self.checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             return traceback.format_exc()
 

@@ -13,6 +13,7 @@ vLLM set up, in the process that logged them.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -24,6 +25,15 @@ VLLM_LOGGER = "vllm"
 SERVE_LOGGER = "derender.serve"
 """The serve path's logger, which reports stop-logic findings (parity
 reports each as a ``stop_logic`` divergence instead)."""
+
+
+ROUTE: contextvars.ContextVar[Callable[[LogLine], None] | None] = contextvars.ContextVar(
+    "derender_log_route", default=None
+)
+"""Where the vLLM log records of the current context go instead of the
+collection's sink: a batch of requests answered at once on one event loop
+(`protocol.Derenderer.drive`) runs each request in its own context (and
+the tasks it starts inherit it), so each request's lines stay its own."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class _Collector(logging.Handler):
         """Whether it passes records on: set with `_passthrough` while routing."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._sink(_log_line(record))
+        (ROUTE.get() or self._sink)(_log_line(record))
         for handler in self._passthrough:
             if record.levelno >= handler.level:
                 handler.handle(record)
@@ -162,9 +172,9 @@ def _drop(line: LogLine) -> None:
     """The sink of an idle collector."""
 
 
-def collected_vllm_logs(*, verbose: bool) -> AbstractContextManager[list[LogLine]]:
-    """The vLLM log records of the block, as lines."""
-    lines: list[LogLine] = []
+def collected_vllm_logs(*, verbose: bool, into: list[LogLine] | None = None) -> AbstractContextManager[list[LogLine]]:
+    """The vLLM log records of the block, as lines (appended to `into`, if given)."""
+    lines: list[LogLine] = [] if into is None else into
     return _Routed(lines.append, verbose, lines)
 
 

@@ -34,8 +34,9 @@ Everything here is pure orchestration over `Derenderer` objects: no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import orjson
@@ -49,9 +50,9 @@ from .compare import (
     compare,
 )
 from .errors import ConfigError, RecordError
-from .logs import SERVE_LOGGER, LogKind, collected_vllm_logs, count_logs, quieted
+from .logs import ROUTE, SERVE_LOGGER, LogKind, LogLine, collected_vllm_logs, count_logs, quieted
 from .prompts import PromptRenderer, prompt_divergences
-from .protocol import Derenderer, Endpoint, FramesAnswer
+from .protocol import WINDOW, Answer, Call, Derenderer, Endpoint, FramesAnswer
 from .records import Record, RequestIndex, call_body, derender_body
 from .responses import Item, error_text
 from .streams import ChunkFacts, StreamLedger
@@ -468,32 +469,70 @@ class Parity:
         """What every path answered for one request, the token ids it was
         given, and every divergence between the paths (none, and nothing
         observed, for a request that cannot run)."""
-        if request.problem is not None:
-            return Examination(request.request_id)
-        findings: list[Divergence] = []
-        seen_findings: set[tuple[Any, ...]] = set()
-        observed: dict[tuple[str, str | None], Observed] = {}
+        return self._examine_window([request])[0]
+
+    def examined(self, requests: Iterable[Request], *, window: int = WINDOW) -> Iterator[tuple[Request, Examination]]:
+        """`examine` for each request, in order, `window` requests at a
+        time: each path gets the window's requests together
+        (`Derenderer.drive`: the serve path answers them as one batch), so
+        only a window is held at once. Each examination is the one
+        `examine` gives the request alone."""
+        requests = iter(requests)
+        while chunk := list(islice(requests, window)):
+            yield from zip(chunk, self._examine_window(chunk, window=window), strict=True)
+
+    def _examine_window(self, requests: list[Request], *, window: int = 1) -> list[Examination]:
+        """Each request through every path, path by path over the window.
+
+        Each request's answers, stop-logic findings (carried by the answers
+        that found them) and vLLM log lines (routed by the context each
+        request's calls run in, `logs.ROUTE`) are its own, in path order, as
+        when it runs alone. Lines logged outside any request's context
+        (vLLM's output handler, a thread) go to the window's first request,
+        as they go to the one request of a window of one.
+        """
+        runnable = [request for request in requests if request.problem is None]
+        observed: dict[int, dict[tuple[str, str | None], Observed]] = {id(r): {} for r in runnable}
+        findings: dict[int, list[Divergence]] = {id(r): [] for r in runnable}
+        seen_findings: dict[int, set[tuple[Any, ...]]] = {id(r): set() for r in runnable}
+        logged: dict[int, list[LogLine]] = {id(r): [] for r in runnable}
         # The serve path logs each stop-logic finding as it runs (once per
         # serve path); here each is one `stop_logic` divergence instead.
-        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False) as logged:
-            for path in self.engines:
-                engine = self.engines[path]
-                before = len(getattr(engine, "findings", ()))
-                if path in STREAM_PATHS:
-                    for chunking, bodies in request.streams:
-                        observed[(path, chunking)] = self._stream(engine, bodies)
-                elif request.one_shot is not None:
-                    observed[(path, None)] = self._one_shot(engine, request.one_shot)
-                for finding in list(getattr(engine, "findings", ()))[before:]:
-                    key = (finding.index, finding.recorded, finding.vllm)
-                    if key not in seen_findings and "stop_logic" not in self.ignore:
-                        seen_findings.add(key)
-                        findings.append(
-                            Divergence(request.request_id, finding.index, RECORD, path, "stop_logic", finding.recorded, finding.vllm)
-                        )
+        first = logged[id(runnable[0])] if runnable else None
+        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False, into=first):
+            for path, engine in self.engines.items():
+                scripts = (self._path_script(path, r, logged[id(r)]) for r in runnable)
+                for request, (seen, found) in zip(runnable, engine.drive(scripts, window=window), strict=True):
+                    observed[id(request)].update(seen)
+                    for finding in found:
+                        key = (finding.index, finding.recorded, finding.vllm)
+                        if key not in seen_findings[id(request)] and "stop_logic" not in self.ignore:
+                            seen_findings[id(request)].add(key)
+                            findings[id(request)].append(
+                                Divergence(request.request_id, finding.index, RECORD, path, "stop_logic", finding.recorded, finding.vllm)
+                            )
             if self.prompts is not None and "prompt_token_ids" not in self.ignore:
-                findings += prompt_divergences(self.prompts, self.endpoint, request.request_id, request.one_shot)
-        self.tally.add(request.request_id, logged)
+                for request in runnable:
+                    route = ROUTE.set(logged[id(request)].append)
+                    try:
+                        findings[id(request)] += prompt_divergences(
+                            self.prompts, self.endpoint, request.request_id, request.one_shot
+                        )
+                    finally:
+                        ROUTE.reset(route)
+        examinations = []
+        for request in requests:
+            if request.problem is not None:
+                examinations.append(Examination(request.request_id))
+                continue
+            self.tally.add(request.request_id, logged[id(request)])
+            examinations.append(self._compared(request, observed[id(request)], findings[id(request)], logged[id(request)]))
+        return examinations
+
+    def _compared(
+        self, request: Request, observed: dict[tuple[str, str | None], Observed], findings: list[Divergence],
+        logged: list[LogLine],
+    ) -> Examination:  # fmt: skip
         divergences: list[Divergence] = []
         if request.recorded is not None:
             observed[(RECORDED, None)] = request.recorded
@@ -522,20 +561,37 @@ class Parity:
             return {}
         return _choice_ids(response.get("choices"))
 
-    def _one_shot(self, engine: Derenderer, body: Any) -> Observed:
-        answer = engine.post(self.endpoint, body)
+    def _path_script(
+        self, path: str, request: Request, logged: list[LogLine]
+    ) -> Generator[Call, Answer, tuple[dict[tuple[str, str | None], Observed], list[Any]]]:
+        """The calls one path makes for one request (a `protocol.Script`):
+        what it observed, and the stop-logic findings its answers carried."""
+        ROUTE.set(logged.append)  # in the script's own context
+        observed: dict[tuple[str, str | None], Observed] = {}
+        found: list[Any] = []
+        if path in STREAM_PATHS:
+            for chunking, bodies in request.streams:
+                observed[(path, chunking)] = yield from self._stream(bodies, found)
+        elif request.one_shot is not None:
+            observed[(path, None)] = yield from self._one_shot(request.one_shot, found)
+        return observed, found
+
+    def _one_shot(self, body: Any, found: list[Any]) -> Generator[Call, Answer, Observed]:
+        answer = yield self.endpoint, body
+        found += answer.findings
         if not answer.ok:
             return Observed(error=error_text(answer.body))
         return Observed(response=answer.body)
 
-    def _stream(self, engine: Derenderer, bodies: list[Any]) -> Observed:
+    def _stream(self, bodies: list[Any], found: list[Any]) -> Generator[Call, Answer, Observed]:
         ledger = StreamLedger()
         assembly = Assembly(self.endpoint)
         chunks: list[dict[str, Any]] = []
         calls: list[int] = []
         for body in bodies:
             facts = ChunkFacts.of(body, self.endpoint)
-            answer = engine.post(self.endpoint, ledger.with_state(body, facts))
+            answer = yield self.endpoint, ledger.with_state(body, facts)
+            found += answer.findings
             ledger.settle(facts, answer)
             if not answer.ok:
                 return Observed(error=error_text(answer.body))

@@ -10,10 +10,10 @@ only ever see `Derenderer` and `Answer`, so they never branch on the path.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from enum import Enum
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -127,6 +127,11 @@ def parsed_body(body: Any) -> Any:
 class Answer:
     """What the endpoint answered: HTTP status and the JSON body's bytes,
     exactly as the server would send them."""
+
+    findings: tuple[Any, ...] = ()
+    """What the path found out of band while answering this call: the serve
+    path's stop-logic findings (`serve.StopFinding`), where the record and
+    vLLM's stop logic disagree. Not part of the answer's bytes."""
 
     def __init__(self, status: int, raw: bytes) -> None:
         self.status = status
@@ -327,6 +332,24 @@ def render_state(state: Mapping[str, Any]) -> bytes:
         return render_json(state)
 
 
+WINDOW = 32
+"""Calls in flight at once where a path answers many together
+(`Derenderer.drive`): the serve path's engine core steps them as one batch."""
+
+_T = TypeVar("_T")
+
+Call = tuple[Endpoint, Any]
+"""One call a script makes: the endpoint and the body."""
+
+Script = Generator[Call, Answer, _T]
+"""The calls one unit of work makes, in order, each answer sent back in
+before the next call is made (a stream threads each answer's state into
+its next call), a call that raises raising there; what it returns is its
+result. A script runs in a context
+of its own (`contextvars`), so what it sets there (`logs.ROUTE`) is its
+own while the path answers it."""
+
+
 class Derenderer(Protocol):
     """One path's answers to derender calls, as an HTTP endpoint gives them."""
 
@@ -337,6 +360,17 @@ class Derenderer(Protocol):
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""
+
+    def drive(self, scripts: Iterable[Script[_T]], *, window: int = WINDOW) -> Iterator[_T]:
+        """Run `scripts` and give their results in order. A path that
+        batches (the serve path) runs up to `window` of them at once, as
+        `vllm serve` batches the requests in flight; any other runs them
+        one at a time (`api.CodeAPI.drive`). Scripts must not depend on one
+        another: only their order of results is kept."""
+
+    def post_many(self, endpoint: Endpoint, bodies: Iterable[Any], *, window: int = WINDOW) -> Iterator[Answer]:
+        """`post` for each of `bodies`, independent calls, answered in order
+        (`drive` with one call per script)."""
 
     def prompt_matters(self, endpoint: Endpoint) -> bool:
         """Whether a record's ``prompt_token_ids`` can change this path's

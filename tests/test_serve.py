@@ -32,7 +32,9 @@ import pytest
 
 from derender_core import Endpoint
 from derender_core.batch import Job
+from derender_core.parity import DERENDER_MODES, Chunking, Parity, requests_of
 from derender_core.protocol import DERENDER_ENDPOINTS, FramesAnswer
+from derender_core.records import Record
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
 from derender_core.vllm_seam.versions import installed
@@ -54,11 +56,14 @@ from tests.sample_inputs import (
     chunks_of,
     completion_bodies,
     completion_stream_plans,
+    family_plans,
     generate_chunks,
+    one_shot_body,
     parser_corner_plans,
     stream_bodies,
     stream_plans,
 )
+from tests.parity_corpus import corpus_bodies
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
 
 # --- the corpus ----------------------------------------------------------------
@@ -401,3 +406,123 @@ def test_flavor_serve_on_the_command_line(qwen3_serve: ServeStack, tmp_path: Pat
         refused = run_cli("chat", "sample_data/chat.jsonl", "--config", "sample_data/qwen3.yaml", "--flavor", "serve", *scale)
         assert refused.returncode == 2 and refused.stdout == b""
         assert b"--flavor serve runs" in refused.stderr
+
+
+# --- many requests at once ------------------------------------------------------------
+#
+# Why batching cannot change a frame (`serve` module docstring): each
+# request's engine steps are fixed by its own record and its own
+# `v1.Request`; it gets one output per engine step and the stack settles
+# before the next step, so its collector never merges two; everything
+# below is per request in vLLM and in the serve path. These tests check
+# the consequence: a batch's answers are the answers each request gets
+# alone, byte for byte but for `created` and the random tool-call ids.
+
+
+def _calls(endpoint: Endpoint, bodies: list[Any]) -> Any:
+    """A script (`protocol.Script`): the calls in order, their answers back."""
+    answers = []
+    for body in bodies:
+        answers.append((yield endpoint, body))
+    return answers
+
+
+def _scripts_of(endpoint: Endpoint, one_shots: list[Any], streams: list[list[Any]]) -> list[tuple[Endpoint, list[Any]]]:
+    return [(endpoint, [body]) for body in one_shots] + [(endpoint, bodies) for bodies in streams]
+
+
+def _streams_by_request(bodies: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    streams: dict[str, list[dict[str, Any]]] = {}
+    for body in bodies:
+        streams.setdefault(body["generate_chunk"]["request_id"], []).append(body)
+    return list(streams.values())
+
+
+def _seen(answers: list[Any]) -> list[tuple[int, bytes, tuple[Any, ...], Any]]:
+    """What a client reads of each answer, and the findings it carried."""
+    return [(a.status, normalized_bytes(a.raw), a.findings, getattr(a, "late", None)) for a in answers]
+
+
+def _batched_as_alone(engine: serve.ServeEngine, work: list[tuple[Endpoint, list[Any]]]) -> None:
+    """The scripts in windows of 32 and of 5 answer as one at a time, and as
+    `post` (what the oracle tests check) answers them."""
+    alone = [_seen(answers) for answers in engine.drive((_calls(e, b) for e, b in work), window=1)]
+    posted = [_seen([engine.post(e, body) for body in b]) for e, b in work]
+    assert alone == posted
+    for window in (32, 5):
+        batched = [_seen(answers) for answers in engine.drive((_calls(e, b) for e, b in work), window=window)]
+        assert batched == alone, window
+
+
+def test_a_batch_answers_each_request_as_alone(qwen3_serve: ServeStack) -> None:
+    """One-shot and streamed, chat and completions, errors, stop-logic
+    findings, the same request id several times at once: each answer of a
+    batched run is the one-at-a-time run's."""
+    b = qwen3_serve.builder
+    chat = one_shot_chat_corpus(b)
+    body = next(chat_bodies(b))
+    refused = [
+        {**body, "chat_request": {**body["chat_request"], "use_beam_search": True}},
+        {k: v for k, v in body.items() if k != "chat_request"},
+    ]
+    ids = b.encode("One, two, three. Four, five.")
+    findings = [_hello_body(b, "early", ids, "length", max_tokens=len(ids) + 5),
+                _hello_body(b, "late", ids, "length", max_tokens=len(ids) - 2)]  # fmt: skip
+    chat_streams = _streams_by_request(stream_bodies(b, chat_stream_corpus(b)))
+    work = _scripts_of(Endpoint.CHAT, chat + chat + refused + findings, chat_streams + chat_streams)
+    completions = one_shot_completion_corpus(b)
+    completion_streams = _streams_by_request(stream_bodies(b, completion_stream_plans(b)))
+    work += _scripts_of(Endpoint.COMPLETION, completions, completion_streams)
+    sample_streams = _streams_by_request([json.loads(line) for line in (SAMPLE / "stream.jsonl").read_text().splitlines()])
+    sample_chat = [json.loads(line) for line in (SAMPLE / "chat.jsonl").read_text().splitlines()]
+    work += _scripts_of(Endpoint.CHAT, sample_chat, sample_streams)
+    _batched_as_alone(qwen3_serve.engine, work)
+    # The findings came with the answers that found them, in a batch too.
+    answers = list(qwen3_serve.engine.post_many(Endpoint.CHAT, findings))
+    assert [[f.request_id for f in a.findings] for a in answers] == [["early"], ["late"]]
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v4"])
+def test_a_batch_answers_a_familys_corpus_as_alone(name: str, request: pytest.FixtureRequest) -> None:
+    """Another family's parsers (tool calls, reasoning) behind serve's
+    handlers: its corpus, one-shot and streamed, batched as alone."""
+    family: Stack = request.getfixturevalue(f"{name}_stack")
+    engine = serve.ServeEngine.build(family.config)
+    try:
+        plans = family_plans(family.builder)
+        one_shots = [one_shot_body(plan, family.builder.family.served_name) for plan in plans]
+        streams = _streams_by_request(stream_bodies(family.builder, plans))
+        _batched_as_alone(engine, _scripts_of(Endpoint.CHAT, one_shots + one_shots, streams + streams))
+    finally:
+        engine.close()
+
+
+def test_parity_in_windows_is_parity_one_request_at_a_time(qwen3_stack: Stack, qwen3_serve: ServeStack) -> None:
+    """Parity over the parity corpus and the sample, every path, in windows
+    (the serve paths batched): each request's examination (answers,
+    divergences, findings, log lines) is the one it gets alone."""
+    b = qwen3_serve.builder
+    engines: dict[str, Any] = {path: qwen3_stack.engine.in_mode(**mode) for path, mode in DERENDER_MODES.items()}
+    engines.update({"serve": qwen3_serve.engine, "serve-oneshot": qwen3_serve.engine})
+    records = [Record(n, n, body) for n, body in enumerate(corpus_bodies(b), 1)]
+    requests = list(requests_of(records, Endpoint.CHAT, stream=True, requests=None, chunkings=[]))
+    sample = [Record(n, n, json.loads(line)) for n, line in enumerate((SAMPLE / "chat.jsonl").read_text().splitlines(), 1)]
+    requests += list(requests_of(sample, Endpoint.CHAT, stream=False, requests=None, chunkings=Chunking.parse_list("1,3+tail")))
+    requests += requests[:3]  # the same request ids again, in one window
+
+    def examined(window: int | None) -> list[Any]:
+        checker = Parity(engines, Endpoint.CHAT)
+        if window is None:
+            found = [checker.examine(r) for r in requests]
+        else:
+            found = [e for _, e in checker.examined(requests, window=window)]
+        return [
+            (e.request_id, normalize(orjson.loads(orjson.dumps(e.divergences, default=vars))), e.logs,
+             normalize(orjson.loads(orjson.dumps([(k, o.response, o.chunks, o.calls, o.error) for k, o in e.observed.items()]))))
+            for e in found
+        ] + [[(kind.key, kind.count, first) for kind, first in checker.logs]]  # fmt: skip
+
+    alone = examined(None)
+    assert any(e[1] for e in alone[:-1]) and any(e[2] for e in alone[:-1])  # divergences and log lines to keep
+    assert examined(32) == alone
+    assert examined(4) == alone

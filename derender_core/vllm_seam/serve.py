@@ -39,6 +39,30 @@ Steps are paced: after each step the loop runs until every task waits
 again, so the collector is drained before the next step and steps never
 merge into one frame.
 
+Many requests at once (`ServeEngine.drive`, `post_many`): up to a window of
+requests run as tasks on the one event loop and the one ``AsyncLLM``, as
+`vllm serve` serves the requests in flight. One pacer (`_Pacer`) makes the
+engine steps: when every task waits, it emits the next step of every
+request that has one as one ``EngineCoreOutputs``, lets the stack answer
+it, then wakes them all. Why that cannot change a request's frames:
+
+- what each request's steps carry is fixed by its own record (token ids,
+  logprobs, finish) and decided by its own ``v1.Request``; nothing of
+  another request goes into them;
+- each request still gets exactly one output per ``EngineCoreOutputs`` and
+  the stack settles before the next one, so its collector never merges two
+  steps, whatever else the step holds: its sequence of outputs is the one
+  it gets alone;
+- everything downstream is per request in vLLM (the output processor's
+  request state and detokenizer, the collector, the handler's generator
+  and parsers; engine request ids are made unique by vLLM), and the serve
+  path's own state is per request too: a script's streams are kept under
+  its own key, the engine requests a handler adds go to the request whose
+  context added them (`_OPENING`), a call's findings to that call;
+- ids and ``created`` are the request's own or the clock's, as alone.
+
+The tests compare a batched run with a one-at-a-time run byte for byte.
+
 The answer to a stream call carries the frames serve sent during that call
 (`FramesAnswer`): the first released step brings the role frame, a step
 whose delta is empty brings none, the last finishing step brings the usage
@@ -63,20 +87,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
+import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import RenderConfig
 from ..errors import ConfigError
-from ..protocol import Answer, Endpoint, FramesAnswer
+from ..protocol import WINDOW, Answer, Endpoint, FramesAnswer, Script
 from .answers import json_answer
-from .render import DerenderEngine
+from .render import DerenderEngine, _finish, collector_paused
 from .renderer import RenderHalf
 from .stack import prepare_environment, server_args, show_warnings_from_now_on
 
@@ -98,6 +124,17 @@ _SSE_DONE = "data: [DONE]\n\n"
 _WAIT_SECONDS = 120.0
 """How long a request may take to reach the engine (rendering runs in
 vLLM's thread pool) or to finish after its last step."""
+
+_OPENING: contextvars.ContextVar[_ServeRun | None] = contextvars.ContextVar("serve_opening", default=None)
+"""The request whose handler is starting: the engine requests added from
+its context (the handler's task, the stream's reader) are its children."""
+_RAW: contextvars.ContextVar[Any] = contextvars.ContextVar("serve_raw_body", default=None)
+"""The call's body as given: the handler re-reads the original request from it."""
+_FOUND: contextvars.ContextVar[list[StopFinding] | None] = contextvars.ContextVar("serve_found", default=None)
+"""The current call's stop-logic findings, given with its answer."""
+_SCRIPT: contextvars.ContextVar[int | None] = contextvars.ContextVar("serve_script", default=None)
+"""The script a call belongs to (`ServeEngine.drive`): its streams are kept
+apart from any other's with the same request id; None for `post`."""
 
 SEAM_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.engine.core_client", "EngineCoreClient.make_async_mp_client"),
@@ -173,7 +210,6 @@ class _ScriptedEngineCore:
         # The scheduler state _update_request_with_output reads.
         self._scheduler = SimpleNamespace(max_model_len=max_model_len)
         self._outputs: asyncio.Queue[EngineCoreOutputs] | None = None
-        self._added: list[Request] = []
         self._by_id: dict[str, Request] = {}
 
     # --- EngineCoreClient, as AsyncLLM calls it ---------------------------
@@ -191,7 +227,9 @@ class _ScriptedEngineCore:
         from vllm.v1.request import Request
 
         engine_request = Request.from_engine_core_request(request, None)
-        self._added.append(engine_request)
+        opening = _OPENING.get()
+        if opening is not None:
+            opening.children.append(engine_request)  # a request's n children, by index
         self._by_id[engine_request.request_id] = engine_request
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
@@ -211,16 +249,6 @@ class _ScriptedEngineCore:
         if self._outputs is None:
             self._outputs = asyncio.Queue()
         return self._outputs
-
-    def adopt(self) -> list[Request]:
-        """The engine requests added since the last call, in order: a
-        request's ``n`` children, by index."""
-        added, self._added = self._added, []
-        return added
-
-    @property
-    def pending_adds(self) -> int:
-        return len(self._added)
 
     def release(self, requests: list[Request]) -> None:
         for request in requests:
@@ -413,17 +441,74 @@ async def _until_idle() -> None:
     raise RuntimeError("the serve stack did not settle")
 
 
-async def _until(condition: Callable[[], bool], seconds: float = _WAIT_SECONDS) -> bool:
-    """Wait until `condition` holds, letting threads (vLLM renders in a
-    thread pool) finish; False on time-out."""
-    deadline = time.monotonic() + seconds
-    while True:
-        await _until_idle()
-        if condition():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.001)
+class _Pacer:
+    """The engine core's steps for every request in flight.
+
+    A request's task hands in its step's outputs (`step`) or only waits for
+    the stack to settle (`settled`), and waits. When every task on the loop
+    waits, the pacer emits all the outputs handed in as one
+    ``EngineCoreOutputs`` (one engine step of the batch), runs the loop
+    until the stack has answered it, and wakes every waiting task. A task
+    hands in at most one step before it is woken, so a request never has
+    two outputs in one step. Alone, this is one request's step, then the
+    loop run until every task waits: the pacing of a single request.
+    """
+
+    def __init__(self, core: _ScriptedEngineCore) -> None:
+        self._core = core
+        self._outputs: list[EngineCoreOutput] = []
+        self._waiting: list[asyncio.Future[None]] = []
+        self._wanted: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def step(self, outputs: list[EngineCoreOutput]) -> None:
+        """Put `outputs` into the next engine step; back once serve has answered it."""
+        self._outputs += outputs
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Back once every task has waited (and the step due, if any, is answered)."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():
+            self._wanted = asyncio.Event()
+            # A context of its own: none of a request's (its log route) is the pacer's.
+            self._task = loop.create_task(self._pace(), context=contextvars.Context())
+        waiter = loop.create_future()
+        self._waiting.append(waiter)
+        assert self._wanted is not None
+        self._wanted.set()
+        await waiter
+
+    async def _pace(self) -> None:
+        assert self._wanted is not None
+        waiting: list[asyncio.Future[None]] = []
+        try:
+            while True:
+                await self._wanted.wait()
+                await _until_idle()
+                self._wanted.clear()
+                outputs, self._outputs = self._outputs, []
+                waiting, self._waiting = self._waiting, []
+                if outputs:
+                    self._core.emit(outputs)
+                    await _until_idle()
+                for waiter in waiting:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                waiting = []
+        except Exception as exc:
+            # No task may wait forever on a pacer that stopped.
+            for waiter in waiting + self._waiting:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            self._waiting = []
+            raise
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
 
 
 @dataclass
@@ -506,6 +591,9 @@ class ServeEngine(DerenderEngine):
     same way; a valid body goes to `vllm serve`'s own handler instead of the
     derender endpoint. Streams are kept here, per request id, so
     ``stream_state`` plays no part (answers carry none).
+
+    `drive` (and `post_many`) answers a window of scripts at once, their
+    engine steps batched (`_Pacer`); each script's streams are its own.
     """
 
     def __init__(
@@ -520,8 +608,10 @@ class ServeEngine(DerenderEngine):
         self._state = state
         self._core = core
         self._resources = resources
-        self._runs: OrderedDict[str, _ServeRun | Answer] = OrderedDict()
-        self._body: Any = None
+        self._runs: OrderedDict[tuple[int | None, str], _ServeRun | Answer] = OrderedDict()
+        """Streams by (script, request id): `post`'s under None."""
+        self._pacer = _Pacer(core)
+        self._scripts = itertools.count()
         self.findings: list[StopFinding] = []
         self.findings_total = 0
 
@@ -566,21 +656,95 @@ class ServeEngine(DerenderEngine):
         return False  # serve renders every request's prompt itself
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        if self._loop.is_running():
+            # Inside a task (`_post_async`): what finishes at once (an error
+            # handler's answer) is returned, the rest of the call is awaited
+            # there, in that task.
+            try:
+                awaited = coroutine.send(None)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            return _Deferred(_finish(coroutine, awaited))  # type: ignore[return-value]
         # Every call drives tasks on the stack's loop (the output handler,
         # serve's stream generator), so none may start outside it.
         if self._loop.is_closed():
+            coroutine.close()
             raise RuntimeError("the serve stack is closed")
         return self._loop.run_until_complete(coroutine)
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         endpoint = Endpoint.of(endpoint)
+        with collector_paused():
+            return self._run(self._post_async(endpoint, body))
+
+    def drive(self, scripts: Iterable[Script[_T]], *, window: int = WINDOW) -> Iterator[_T]:
+        """Up to `window` scripts at once, each a task on the stack's loop,
+        their engine steps batched (`_Pacer`); results in the scripts'
+        order, taken from the input only as the window has room."""
+        if window < 1:
+            raise ValueError(f"window must be at least 1, not {window}")
+        if self._loop.is_closed():
+            raise RuntimeError("the serve stack is closed")
+        scripts = iter(scripts)
+        running: deque[asyncio.Task[_T]] = deque()
+        try:
+            while True:
+                for script in itertools.islice(scripts, window - len(running)):
+                    # Each its own context: what the script sets there (its log route) is its own.
+                    task = self._loop.create_task(self._script(script), context=contextvars.copy_context())
+                    running.append(task)
+                if not running:
+                    return
+                with collector_paused():
+                    result = self._loop.run_until_complete(running.popleft())
+                yield result
+        finally:
+            if running and not self._loop.is_closed():
+                for task in running:
+                    task.cancel()
+                self._loop.run_until_complete(asyncio.gather(*running, return_exceptions=True))
+
+    async def _script(self, script: Script[_T]) -> _T:
+        """One script run to its end, its calls answered in this task; then
+        its streams are forgotten (an unfinished one is cancelled)."""
+        key = next(self._scripts)
+        _SCRIPT.set(key)
+        step: Any = script.send
+        answer: Any = None
+        try:
+            while True:
+                try:
+                    endpoint, body = step(answer)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                try:
+                    step, answer = script.send, await self._post_async(Endpoint.of(endpoint), body)
+                except Exception as exc:  # raised in the script, where it made the call
+                    step, answer = script.throw, exc
+        finally:
+            for stream in [k for k in self._runs if k[0] == key]:
+                run = self._runs.pop(stream)
+                if isinstance(run, _ServeRun):
+                    await self._cancel(run)
+
+    async def _post_async(self, endpoint: Endpoint, body: Any) -> Answer:
+        """`post`, in the caller's task: the body validated as the
+        derender endpoint does, then the call made to serve's handler
+        (`_run` leaves what waits to this task)."""
         # The handler re-reads the original request from the raw body, as
         # the client would send it to serve.
-        self._body = body
-        try:
-            return super().post(endpoint, body)
-        finally:
-            self._body = None
+        _RAW.set(body)
+        found: list[StopFinding] = []
+        _FOUND.set(found)
+        answer = super().post(endpoint, body)
+        if isinstance(answer, _Deferred):
+            try:
+                answer = await answer.coroutine
+            except Exception as exc:  # the app's catch-all handlers, as `_post`
+                answer = self.internal_error(exc)
+        if found:
+            answer.findings = tuple(found)
+        return answer
 
     def close(self) -> None:
         """Close the open streams and shut the stack down."""
@@ -598,12 +762,14 @@ class ServeEngine(DerenderEngine):
             if isinstance(run, _ServeRun):
                 await self._cancel(run)
         self._runs.clear()
+        await self._pacer.close()
         await self._resources.aclose()
 
     # --- dispatch ------------------------------------------------------------
 
     async def _dispatch(self, endpoint: Endpoint, request: Any) -> Answer:
-        raw = self._body if isinstance(self._body, Mapping) else {}
+        raw = _RAW.get()
+        raw = raw if isinstance(raw, Mapping) else {}
         original = raw.get(endpoint.request_key)
         if not isinstance(original, Mapping):
             return self.bad_request(
@@ -668,7 +834,7 @@ class ServeEngine(DerenderEngine):
                     )
                 )
             await self._step(run, batch)
-        if not await _until(lambda: run.ended, seconds=5.0):
+        if not await self._until(lambda: run.ended, seconds=5.0):
             await self._cancel(run)
             return self.bad_request("serve did not finish the request after its last recorded token")
         return _handler_answer(run.task.result())  # type: ignore[union-attr]
@@ -679,7 +845,8 @@ class ServeEngine(DerenderEngine):
         choice = chunk.choices[0] if chunk.choices else None
         if len(chunk.choices) > 1:
             return self.bad_request("a generate stream chunk carries one choice; this one has several")
-        run = self._runs.get(request_id)
+        key = (_SCRIPT.get(), request_id)
+        run = self._runs.get(key)
         if isinstance(run, Answer):
             return run  # the stream failed at its start
         tokens = list(choice.token_ids or []) if choice is not None else []
@@ -693,11 +860,11 @@ class ServeEngine(DerenderEngine):
                 stream=True,
                 prompt_ids=request.prompt_token_ids or chunk.prompt_token_ids,
             )
-            self._remember(request_id, opened)
+            self._remember(key, opened)
             if isinstance(opened, Answer):
                 return opened
             run = opened
-        self._runs.move_to_end(request_id)
+        self._runs.move_to_end(key)
         run.calls += 1
         if choice is not None and not run.ended:
             if choice.index >= len(run.children):
@@ -761,19 +928,23 @@ class ServeEngine(DerenderEngine):
         else:
             handler = self._state.openai_serving_completion.create_completion
         run = _ServeRun(request_id)
-        self._core.adopt()  # nothing else is starting: anything left over is stale
-        if stream:
-            result = await handler(serve_request, None)
-            if not hasattr(result, "__anext__"):
-                return _handler_answer(result)
-            run.task = asyncio.ensure_future(run.pump(result))
-        else:
-            run.task = asyncio.ensure_future(handler(serve_request, None))
+        # The engine requests the handler adds (from its task, or the
+        # stream's reader) are this run's (`_ScriptedEngineCore.add_request_async`).
+        opening = _OPENING.set(run)
+        try:
+            if stream:
+                result = await handler(serve_request, None)
+                if not hasattr(result, "__anext__"):
+                    return _handler_answer(result)
+                run.task = asyncio.ensure_future(run.pump(result))
+            else:
+                run.task = asyncio.ensure_future(handler(serve_request, None))
+        finally:
+            _OPENING.reset(opening)
         expected = serve_request.n or 1
-        if not await _until(lambda: self._core.pending_adds >= expected or run.ended):
+        if not await self._until(lambda: len(run.children) >= expected or run.ended):
             await self._cancel(run)
             return self.bad_request("serve did not pass the request to the engine in time")
-        run.children = self._core.adopt()
         if not run.children:
             # Serve answered before the engine (an error): a stream says it
             # in a frame, a one-shot request as its response.
@@ -796,8 +967,7 @@ class ServeEngine(DerenderEngine):
             if output is not None:
                 outputs.append(output)
         if outputs:
-            self._core.emit(outputs)
-            await _until_idle()
+            await self._pacer.step(outputs)
         tails = []
         for piece in pieces:
             if piece.finish == "stop" and isinstance(piece.stop_reason, str):
@@ -807,8 +977,19 @@ class ServeEngine(DerenderEngine):
                 if tail is not None:
                     tails.append(tail)
         if tails:
-            self._core.emit(tails)
-            await _until_idle()
+            await self._pacer.step(tails)
+
+    async def _until(self, condition: Callable[[], bool], seconds: float = _WAIT_SECONDS) -> bool:
+        """Wait until `condition` holds, letting threads (vLLM renders in a
+        thread pool) finish; False on time-out."""
+        deadline = time.monotonic() + seconds
+        while True:
+            await self._pacer.settled()
+            if condition():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.001)
 
     def _noter(self, run: _ServeRun, index: int) -> Callable[[str, str], None]:
         """Where findings go: the first disagreement of each choice (once the
@@ -819,6 +1000,9 @@ class ServeEngine(DerenderEngine):
                 return
             run.disagreed.add(index)
             finding = StopFinding(run.request_id, index, recorded, vllm)
+            found = _FOUND.get()
+            if found is not None:
+                found.append(finding)
             self.findings_total += 1
             if len(self.findings) < FINDINGS_KEPT:
                 self.findings.append(finding)
@@ -826,9 +1010,9 @@ class ServeEngine(DerenderEngine):
 
         return note
 
-    def _remember(self, request_id: str, run: _ServeRun | Answer) -> None:
-        self._runs[request_id] = run
-        self._runs.move_to_end(request_id)
+    def _remember(self, key: tuple[int | None, str], run: _ServeRun | Answer) -> None:
+        self._runs[key] = run
+        self._runs.move_to_end(key)
         while len(self._runs) > STREAMS_KEPT:
             _, oldest = self._runs.popitem(last=False)
             if isinstance(oldest, _ServeRun) and not oldest.ended:
@@ -840,8 +1024,15 @@ class ServeEngine(DerenderEngine):
             run.task.cancel()
             with contextlib.suppress(BaseException):
                 await run.task
-        await _until_idle()
+        await self._pacer.settled()
         self._core.release(run.children)
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A validated call not yet made: `ServeEngine._post_async` awaits it."""
+
+    coroutine: Coroutine[Any, Any, Answer]
 
 
 _UNSUPPORTED_PROMPTS = "the serve path takes one prompt per completion body"

@@ -1,0 +1,81 @@
+"""The serve path batched: records per second one at a time against a
+window of requests in flight on the one ``AsyncLLM`` (issue 32, item 2).
+
+    python benchmarks/serve.py [--records 64] [--tokens 400] [--windows 1,8,32]
+
+Records are Qwen3 + hermes one-shot chat bodies of `--tokens` output ids (a
+reasoning trace, a short answer, one tool call), each under its own request
+id, run as `derender parity` runs them on the serve paths alone
+(`Parity.examined`): ``serve-oneshot`` (the one-shot body) and ``serve``
+(its stream, one token per chunk). Window 1 is one record at a time, as
+before batching. Start-up is excluded; each figure is the best of
+`--repeat` runs. Every window's answers are checked equal to window 1's
+(``created`` and tool-call ids blanked), and the peak RSS is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import orjson
+from _common import peak_rss_mib, sample_config, sample_engine, sample_record
+
+from derender_core import Endpoint, ServeEngine
+from derender_core.parity import Chunking, Parity, Request, stream_bodies
+from tests.helpers import normalize
+
+
+def requests_of(body: dict, count: int, stream: bool) -> list[Request]:
+    chunking = Chunking(1)
+    requests = []
+    for number in range(count):
+        one = {**body, "generate_response": {**body["generate_response"], "request_id": f"r-{number}"}}
+        streams = [(chunking.name, stream_bodies(one, Endpoint.CHAT, chunking))] if stream else []
+        requests.append(Request(f"r-{number}", one_shot=one, streams=streams))
+    return requests
+
+
+def seen(examinations: list) -> list:
+    return [normalize(orjson.loads(orjson.dumps([(o.response, o.chunks, o.calls) for o in e.observed.values()])))
+            for e in examinations]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--records", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--windows", default="1,8,32")
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    engine, _ = sample_engine()
+    body, _, _ = sample_record(engine, args.tokens)
+    engine.close()
+    started = time.perf_counter()
+    serve = ServeEngine.build(sample_config())
+    print(f"serve stack {time.perf_counter() - started:.1f} s (excluded below)")
+    windows = [int(w) for w in args.windows.split(",")]
+    print(f"{args.records} records of {args.tokens} output tokens, records/s (best of {args.repeat})")
+    print(f"{'path':<15}" + "".join(f"{'window ' + str(w):>12}" for w in windows) + f"{'last/first':>12}")
+    for path in ("serve-oneshot", "serve"):
+        requests = requests_of(body, args.records, stream=path == "serve")
+        checker = Parity({path: serve}, Endpoint.CHAT, ignore={"prompt_token_ids"})
+        list(checker.examined(requests[:2], window=2))  # warm-up
+        rates, first = [], None
+        for window in windows:
+            best = 0.0
+            for _ in range(args.repeat):
+                started = time.perf_counter()
+                examinations = [e for _, e in checker.examined(requests, window=window)]
+                best = max(best, args.records / (time.perf_counter() - started))
+            answers = seen(examinations)
+            first = answers if first is None else first
+            assert answers == first, f"window {window} answered differently"
+            rates.append(best)
+        print(f"{path:<15}" + "".join(f"{r:>12.1f}" for r in rates) + f"{rates[-1] / rates[0]:>11.2f}x")
+    print(f"every window's answers equal window {windows[0]}'s; peak RSS {peak_rss_mib():.0f} MiB")
+    serve.close()
+
+
+if __name__ == "__main__":
+    main()
