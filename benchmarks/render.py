@@ -19,6 +19,12 @@ figure follows a warm-up on the same records:
   posting the same lines to ``/v1/chat/completions/render`` one after
   another (what a user does without this tool).
 
+The same weather question as an Anthropic Messages request and as an
+OpenAI Responses request (`MESSAGES`, `RESPONSES`: a system prompt, the
+tool, a tool call and its result in the history), repeated to --records
+lines, go through `derender render messages|responses` (1 worker) and
+through ``/v1/messages/render`` and ``/v1/responses/render`` over HTTP.
+
 `measure()` returns the figures for code (the lead's reports); `main`
 prints them.
 """
@@ -42,24 +48,57 @@ from derender_core.workers import WorkerPool
 from derender_core.writers import JsonlWriter
 
 JOB = Job(Endpoint.RENDER_CHAT)
+_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+MESSAGES = [
+    {"model": "qwen3-sample", "max_tokens": 256, "system": [{"type": "text", "text": "You are terse."}],
+     "messages": [{"role": "user", "content": "What's the weather in Paris?"}]},
+    {"model": "qwen3-sample", "max_tokens": 256, "tools": [{**{k: v for k, v in _TOOL.items() if k != "parameters"},
+                                                             "input_schema": _TOOL["parameters"]}],
+     "tool_choice": {"type": "auto"},
+     "messages": [{"role": "user", "content": "What's the weather in Paris?"},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                     "input": {"city": "Paris"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                "content": '{"temperature": 21}'}]}]},
+]  # fmt: skip
+"""Anthropic Messages requests: a system block; a tool, its call and its result."""
+RESPONSES = [
+    {"model": "qwen3-sample", "instructions": "You are terse.", "input": "What's the weather in Paris?"},
+    {"model": "qwen3-sample", "tools": [{"type": "function", **_TOOL}], "tool_choice": "auto",
+     "input": [{"role": "user", "content": "What's the weather in Paris?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'}]},
+]  # fmt: skip
+"""OpenAI Responses requests: instructions and a string; a tool, its call and its output."""
 
 
-def corpus(records: int) -> list[bytes]:
-    """The sample's chat requests, repeated to `records` lines."""
-    lines = [
-        orjson.dumps(orjson.loads(line)["chat_request"])
-        for line in (REPO / "sample_data" / "chat.jsonl").read_bytes().splitlines()
-        if line.strip()
-    ]
+def corpus(records: int, requests: list[dict[str, Any]] | None = None) -> list[bytes]:
+    """`requests` (the sample's chat requests by default), repeated to
+    `records` lines."""
+    lines = (
+        [orjson.dumps(request) for request in requests]
+        if requests is not None
+        else [
+            orjson.dumps(orjson.loads(line)["chat_request"])
+            for line in (REPO / "sample_data" / "chat.jsonl").read_bytes().splitlines()
+            if line.strip()
+        ]
+    )
     return (lines * (records // len(lines) + 1))[:records]
 
 
-def pipeline_seconds(engine: Any, lines: list[bytes], pool: WorkerPool | None = None) -> tuple[float, int]:
+def pipeline_seconds(
+    engine: Any, lines: list[bytes], pool: WorkerPool | None = None, job: Job = JOB
+) -> tuple[float, int]:
     """Seconds for the pipeline over `lines`, and the prompt tokens rendered."""
     data = b"\n".join(lines) + b"\n"
-    outcomes = pool.answering(JOB) if pool else None
+    outcomes = pool.answering(job) if pool else None
     started = time.perf_counter()
-    report = run(engine, iter_records(io.BytesIO(data)), JOB, JsonlWriter(io.BytesIO()), outcomes=outcomes)
+    report = run(engine, iter_records(io.BytesIO(data)), job, JsonlWriter(io.BytesIO()), outcomes=outcomes)
     elapsed = time.perf_counter() - started
     assert report.errors == 0 and report.records == len(lines), report.failures[:1]
     return elapsed, report.tokens
@@ -103,9 +142,26 @@ def measure(records: int = 2000, http_records: int = 1000) -> dict[str, Any]:
     with WorkerPool(engine, 2) as pool:
         pipeline_seconds(engine, lines[:200], pool)  # warm-up
         two, _ = pipeline_seconds(engine, lines, pool)
+    others: dict[Endpoint, tuple[list[bytes], float, int]] = {}
+    for endpoint, requests in ((Endpoint.RENDER_MESSAGES, MESSAGES), (Endpoint.RENDER_RESPONSES, RESPONSES)):
+        their_lines = corpus(records, requests)
+        job = Job(endpoint)
+        pipeline_seconds(engine, their_lines[:200], job=job)  # warm-up
+        others[endpoint] = (their_lines, *pipeline_seconds(engine, their_lines, job=job))
     engine.close()
     http_lines = lines[:http_records]
     http = http_seconds(Endpoint.RENDER_CHAT, http_lines) if http_lines else float("nan")
+    kinds = {Endpoint.RENDER_MESSAGES: "messages", Endpoint.RENDER_RESPONSES: "responses"}
+    other_rates: dict[str, float] = {}
+    other_tokens: dict[str, int] = {}
+    for endpoint, (their_lines, seconds, their_tokens) in others.items():
+        other_rates[f"derender render {kinds[endpoint]}, 1 worker"] = len(their_lines) / seconds
+        other_tokens[kinds[endpoint]] = their_tokens
+        posted = their_lines[:http_records]
+        if posted:
+            other_rates[f"HTTP: /v1/{kinds[endpoint]}/render ({len(posted)} records)"] = len(posted) / http_seconds(
+                endpoint, posted
+            )
     return {
         "records": len(lines),
         "prompt_tokens": tokens,
@@ -119,6 +175,8 @@ def measure(records: int = 2000, http_records: int = 1000) -> dict[str, Any]:
             "derender render, 2 workers": len(lines) / two,
             f"HTTP: vllm launch render ({len(http_lines)} records)": len(http_lines) / http,
         },
+        "other_records_per_second": other_rates,
+        "other_prompt_tokens": other_tokens,
     }
 
 
@@ -143,6 +201,11 @@ def main() -> None:
     print(f"1 worker vs floor:  {rates['floor: ServingRender.render_chat_request'] / one:.2f}x the floor's rate")
     print(f"1 worker vs HTTP:   {one / http:.2f}x faster")
     print(f"2 workers vs 1:     {rates['derender render, 2 workers'] / one:.2f}x faster")
+    tokens = ", ".join(f"{kind} {count}" for kind, count in figures["other_prompt_tokens"].items())
+    print(f"Messages and Responses requests, {figures['records']} each; prompt tokens rendered: {tokens}")
+    print(f"{'':48} {'records/s':>10}")
+    for name, rate in figures["other_records_per_second"].items():
+        print(f"{name:48} {rate:10.1f}")
     print(f"load average after: {figures['load_after']:.2f}")
 
 
