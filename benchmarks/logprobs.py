@@ -109,7 +109,8 @@ class LogprobFloor(Floor):
         super().__init__(engine)
         self.case = case
         self.answer = answer
-        self.validated = engine._bodies[case.endpoint].validate_python(orjson.loads(orjson.dumps(body)), from_attributes=True)
+        copied = orjson.loads(orjson.dumps(body))
+        self.validated = engine._bodies[case.endpoint].validate_python(copied, from_attributes=True)
 
     def work_once(self) -> Any:
         if self.case.endpoint is Endpoint.CHAT:

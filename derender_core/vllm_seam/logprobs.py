@@ -251,11 +251,10 @@ def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> str 
     if kept is None:
         return None
     ids, logprobs, kept_ids, kept_logprobs = kept.ids, kept.logprobs, kept.candidate_ids, kept.candidate_logprobs
-    opening = fragments.opening.__getitem__
-    heads = list(map(add, map(add, map(opening, ids), map(repr, logprobs)), map(fragments.closing.__getitem__, ids)))
-    written = list(
-        map(add, map(add, map(opening, kept_ids), map(repr, kept_logprobs)), map(fragments.closed.__getitem__, kept_ids))
-    )
+    # Each written as ``opening + repr(logprob) + closing``, list by list.
+    opening, closing, closed = fragments.opening.__getitem__, fragments.closing.__getitem__, fragments.closed.__getitem__
+    heads = list(map(add, map(add, map(opening, ids), map(repr, logprobs)), map(closing, ids)))
+    written = list(map(add, map(add, map(opening, kept_ids), map(repr, kept_logprobs)), map(closed, kept_ids)))
     for position, piece in kept.sampled_fixes.items():
         heads[position] = piece.fields_before + repr(logprobs[position]) + piece.fields_after
     for k, piece in kept.candidate_fixes.items():
@@ -291,7 +290,8 @@ def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -
     for position, piece in kept.sampled_fixes.items():
         tokens[position], tokens_json[position] = piece.token, piece.token_json
     keys = list(map(fragments.token.__getitem__, kept_ids))
-    entries = list(map(add, map(fragments.token_json.__getitem__, kept_ids), map(add, repeat(":"), map(repr, kept.candidate_logprobs))))
+    values = map(add, repeat(":"), map(repr, kept.candidate_logprobs))
+    entries = list(map(add, map(fragments.token_json.__getitem__, kept_ids), values))  # '"token":logprob'
     for k, piece in kept.candidate_fixes.items():
         keys[k], entries[k] = piece.token, piece.token_json + ":" + repr(kept.candidate_logprobs[k])
     offsets = list(accumulate(map(len, tokens), initial=0))
