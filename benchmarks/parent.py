@@ -52,6 +52,7 @@ from typing import Any
 from _common import sample_config, sample_engine, sample_record
 
 from derender_core import Endpoint
+from derender_core.api import CodeAPI
 from derender_core.datasets import Input
 from derender_core.jobs import JobSpec, Silent, run_job
 from derender_core.protocol import Answer
@@ -74,6 +75,10 @@ class InstantEngine:
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         return self._answer
+
+    window = CodeAPI.window
+    drive = CodeAPI.drive  # one call at a time, each answered by `post`
+    post_many = CodeAPI.post_many
 
     def prompt_matters(self, endpoint: Endpoint) -> bool:
         return self._real.prompt_matters(endpoint)

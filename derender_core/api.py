@@ -51,6 +51,8 @@ class CodeAPI:
     """``chat`` and ``completion`` for any engine with a ``post``."""
 
     vocab_size: int
+    window = 1
+    """One call at a time (`protocol.Derenderer.window`)."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:  # the engine's
         raise NotImplementedError
@@ -62,7 +64,7 @@ class CodeAPI:
         """Each script run to its end, one at a time, its calls answered by
         `post`, each in the script's own context (`protocol.Script`); the
         results in order. An engine that answers many calls together (the
-        serve path) overrides this; `window` is its bound."""
+        serve path) overrides this; `window` is its bound there."""
         for script in scripts:
             yield run_script(script, self.post)
 

@@ -1,8 +1,9 @@
 """Batch execution: records in, answers out, in order, with a report.
 
 Like vLLM's ``run_batch`` every input record gets exactly one answer, a
-response or an error record; unlike it, nothing is read ahead, so memory
-does not grow with the input. A bad record never ends a run: it gets an
+response or an error record; unlike it, nothing is read ahead but the
+one-shot records a path answers together (`Derenderer.window`: the serve
+path batches them), so memory does not grow with the input. A bad record never ends a run: it gets an
 error record naming the field and the problem, and the run goes on; so does
 a record that hits a bug anywhere between being read and being handed to
 the writer (`RecordProcessor.process`, `Outcome.failed`). Only an input or
@@ -15,15 +16,15 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import PassedPrompts, check_body
 from .errors import ExitStatus, RecordError, StreamFailure
-from .logs import LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
+from .logs import ROUTE, LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
-from .protocol import Answer, Derenderer, Endpoint
+from .protocol import Answer, Call, Derenderer, Endpoint
 from .records import Record, RequestIndex, derender_body
 from .streams import ChunkFacts, StreamLedger
 from .writers import ErrorLog, Writer
@@ -185,6 +186,15 @@ class Restored:
     answer: Answer
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A one-shot record checked and ready for its one call."""
+
+    body: Any
+    tokens: int
+    logs: tuple[LogLine, ...] = ()
+
+
 OutcomeSource = Callable[[Iterable["Record | Restored"]], Iterator[tuple[Record, Outcome]]]
 """Turns records into (record, outcome) pairs in input order: in process
 (`RecordProcessor.outcomes`), or spread over worker processes
@@ -218,6 +228,14 @@ class RecordProcessor:
         return dataclasses.replace(outcome, logs=(*outcome.logs, *logged)) if logged else outcome
 
     def _process(self, record: Record) -> Outcome:
+        prepared = self._prepared(record)
+        if isinstance(prepared, Outcome):
+            return prepared
+        return Outcome(self.engine.post(self.job.endpoint, prepared.body), tokens=prepared.tokens, logs=prepared.logs)
+
+    def _prepared(self, record: Record) -> Outcome | _Pending:
+        """The record's outcome, or for a one-shot derender record that
+        passed the checks, the call still to make."""
         engine, job = self.engine, self.job
         if record.problem is not None:
             problem = record.problem
@@ -236,11 +254,13 @@ class RecordProcessor:
                 if refused is not None:
                     return dataclasses.replace(self._refused(body, refused), detail="rendering its prompt (--render-prompts)")
             elif engine.prompt_matters(job.endpoint):
-                return dataclasses.replace(self._derendered(body), logs=(PROMPT_MISSING,))
+                derendered = self._derendered(body)
+                return dataclasses.replace(derendered, logs=(PROMPT_MISSING,))
         return self._derendered(body)
 
-    def _derendered(self, body: Any) -> Outcome:
-        """The outcome of a derender body: checked, then answered."""
+    def _derendered(self, body: Any) -> Outcome | _Pending:
+        """The outcome of a derender body: checked, then answered (a
+        one-shot body's call left to the caller)."""
         engine, job = self.engine, self.job
         if not job.lenient:
             problem_found = check_body(
@@ -250,7 +270,7 @@ class RecordProcessor:
                 return self._refused(body, engine.bad_request(problem_found))
         tokens = generated_tokens(body)
         if not job.stream:
-            return Outcome(engine.post(job.endpoint, body), tokens=tokens)
+            return _Pending(body, tokens)
         facts = ChunkFacts.of(body, job.endpoint)
         answer = engine.post(job.endpoint, self.ledger.with_state(body, facts))
         return Outcome(answer, facts, self.ledger.settle(facts, answer), tokens)
@@ -276,12 +296,70 @@ class RecordProcessor:
         self.ledger.settle(ChunkFacts.of(body, self.job.endpoint), answer)
 
     def outcomes(self, items: Iterable[Record | Restored]) -> Iterator[tuple[Record, Outcome]]:
-        """The in-process `OutcomeSource`: each record's outcome, in order."""
+        """The in-process `OutcomeSource`: each record's outcome, in order.
+        One-shot records go as many at a time as the path answers together
+        (`Derenderer.window`, `window`); a stream's calls, each threading
+        the last one's state, one at a time."""
+        size = self.engine.window
+        if self.job.stream or self.job.endpoint.renders or size == 1:
+            for item in items:
+                if isinstance(item, Restored):
+                    self.restore(item.record, item.answer)
+                else:
+                    yield item, self.process(item)
+            return
+        records: list[Record] = []
         for item in items:
             if isinstance(item, Restored):
-                self.restore(item.record, item.answer)
-            else:
-                yield item, self.process(item)
+                continue  # a one-shot answer threads nothing onward
+            records.append(item)
+            if len(records) == size:
+                yield from zip(records, self.window(records), strict=True)
+                records = []
+        yield from zip(records, self.window(records), strict=True)
+
+    def window(self, records: list[Record]) -> list[Outcome]:
+        """`process` for each of the one-shot records, their calls made
+        together (`Derenderer.post_many`'s way: the serve path batches
+        them). Each outcome is the one `process` gives: its own log lines
+        (routed by the context its call runs in, `logs.ROUTE`; a line
+        logged outside every record's context, by a thread, goes to the
+        record whose work started last: on a path that answers one call at
+        a time, the one running), a bug its own error record."""
+        outcomes: list[Outcome | _Pending] = []
+        lines: list[list[LogLine]] = [[] for _ in records]
+        current = [[]] if not records else [lines[0]]
+        with collected_vllm_logs(verbose=self.job.verbose, sink=lambda line: current[-1].append(line)):
+            for record, logged in zip(records, lines, strict=True):
+                current.append(logged)
+                route = ROUTE.set(logged.append)
+                try:
+                    outcomes.append(self._prepared(record))
+                except Exception as exc:
+                    outcomes.append(Outcome(self.engine.internal_error(exc), traceback=traceback.format_exc()))
+                finally:
+                    ROUTE.reset(route)
+            calls = [(n, o) for n, o in enumerate(outcomes) if isinstance(o, _Pending)]
+            scripts = (self._call(pending, lines[n], current) for n, pending in calls)
+            for (n, _), outcome in zip(calls, self.engine.drive(scripts, window=len(records)), strict=True):
+                outcomes[n] = outcome
+        done = []
+        for outcome, logged in zip(outcomes, lines, strict=True):
+            assert isinstance(outcome, Outcome)
+            done.append(dataclasses.replace(outcome, logs=(*outcome.logs, *logged)) if logged else outcome)
+        return done
+
+    def _call(
+        self, pending: _Pending, logged: list[LogLine], current: list[list[LogLine]]
+    ) -> Generator[Call, Answer, Outcome]:
+        """A one-shot record's call, as a script (`protocol.Script`)."""
+        ROUTE.set(logged.append)  # in the script's own context
+        current.append(logged)
+        try:
+            answer = yield self.job.endpoint, pending.body
+        except Exception as exc:
+            return Outcome(self.engine.internal_error(exc), traceback=traceback.format_exc(), logs=pending.logs)
+        return Outcome(answer, tokens=pending.tokens, logs=pending.logs)
 
 
 def failure_detail(record: Record) -> str | None:

@@ -172,10 +172,12 @@ def _drop(line: LogLine) -> None:
     """The sink of an idle collector."""
 
 
-def collected_vllm_logs(*, verbose: bool, into: list[LogLine] | None = None) -> AbstractContextManager[list[LogLine]]:
-    """The vLLM log records of the block, as lines (appended to `into`, if given)."""
-    lines: list[LogLine] = [] if into is None else into
-    return _Routed(lines.append, verbose, lines)
+def collected_vllm_logs(
+    *, verbose: bool, sink: Callable[[LogLine], None] | None = None
+) -> AbstractContextManager[list[LogLine]]:
+    """The vLLM log records of the block, as lines (handed to `sink` instead, if given)."""
+    lines: list[LogLine] = []
+    return _Routed(sink or lines.append, verbose, lines)
 
 
 def tally_vllm_logs(

@@ -52,7 +52,7 @@ from .compare import (
 from .errors import ConfigError, RecordError
 from .logs import ROUTE, SERVE_LOGGER, LogKind, LogLine, collected_vllm_logs, count_logs, quieted
 from .prompts import PromptRenderer, prompt_divergences
-from .protocol import WINDOW, Answer, Call, Derenderer, Endpoint, FramesAnswer
+from .protocol import Answer, Call, Derenderer, Endpoint, FramesAnswer
 from .records import Record, RequestIndex, call_body, derender_body
 from .responses import Item, error_text
 from .streams import ChunkFacts, StreamLedger
@@ -454,6 +454,8 @@ class Parity:
         renderer = next((engines[p] for p in DERENDER_MODES if p in engines), next(iter(engines.values()), None))
         self.prompts = None if renderer is None else PromptRenderer(renderer)
         self.tally = LogTally()
+        self._logging_to: list[LogLine] = []
+        """The log lines of the request whose script started last (`_examine_window`)."""
 
     @property
     def logs(self) -> list[tuple[LogKind, str]]:
@@ -471,12 +473,16 @@ class Parity:
         observed, for a request that cannot run)."""
         return self._examine_window([request])[0]
 
-    def examined(self, requests: Iterable[Request], *, window: int = WINDOW) -> Iterator[tuple[Request, Examination]]:
+    def examined(
+        self, requests: Iterable[Request], *, window: int | None = None
+    ) -> Iterator[tuple[Request, Examination]]:
         """`examine` for each request, in order, `window` requests at a
-        time: each path gets the window's requests together
+        time (by default the most any path answers together,
+        `Derenderer.window`): each path gets the window's requests together
         (`Derenderer.drive`: the serve path answers them as one batch), so
         only a window is held at once. Each examination is the one
         `examine` gives the request alone."""
+        window = window or max((engine.window for engine in self.engines.values()), default=1)
         requests = iter(requests)
         while chunk := list(islice(requests, window)):
             yield from zip(chunk, self._examine_window(chunk, window=window), strict=True)
@@ -488,8 +494,9 @@ class Parity:
         that found them) and vLLM log lines (routed by the context each
         request's calls run in, `logs.ROUTE`) are its own, in path order, as
         when it runs alone. Lines logged outside any request's context
-        (vLLM's output handler, a thread) go to the window's first request,
-        as they go to the one request of a window of one.
+        (vLLM's output handler, a thread) go to the request whose script
+        started last: on a path that answers one request at a time, the
+        one whose call is running, as when it runs alone.
         """
         runnable = [request for request in requests if request.problem is None]
         observed: dict[int, dict[tuple[str, str | None], Observed]] = {id(r): {} for r in runnable}
@@ -498,8 +505,8 @@ class Parity:
         logged: dict[int, list[LogLine]] = {id(r): [] for r in runnable}
         # The serve path logs each stop-logic finding as it runs (once per
         # serve path); here each is one `stop_logic` divergence instead.
-        first = logged[id(runnable[0])] if runnable else None
-        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False, into=first):
+        self._logging_to = logged[id(runnable[0])] if runnable else []
+        with quieted(SERVE_LOGGER), collected_vllm_logs(verbose=False, sink=self._log_elsewhere):
             for path, engine in self.engines.items():
                 scripts = (self._path_script(path, r, logged[id(r)]) for r in runnable)
                 for request, (seen, found) in zip(runnable, engine.drive(scripts, window=window), strict=True):
@@ -513,6 +520,7 @@ class Parity:
                             )
             if self.prompts is not None and "prompt_token_ids" not in self.ignore:
                 for request in runnable:
+                    self._logging_to = logged[id(request)]
                     route = ROUTE.set(logged[id(request)].append)
                     try:
                         findings[id(request)] += prompt_divergences(
@@ -554,6 +562,10 @@ class Parity:
             token_ids=self._one_shot_token_ids(request.one_shot), logs=tuple(logged),
         )  # fmt: skip
 
+    def _log_elsewhere(self, line: LogLine) -> None:
+        """Where a line logged outside every request's context goes."""
+        self._logging_to.append(line)
+
     def _one_shot_token_ids(self, body: Any) -> dict[int, list[int]]:
         try:
             response, _, _ = one_response(body, self.endpoint)
@@ -567,6 +579,7 @@ class Parity:
         """The calls one path makes for one request (a `protocol.Script`):
         what it observed, and the stop-logic findings its answers carried."""
         ROUTE.set(logged.append)  # in the script's own context
+        self._logging_to = logged
         observed: dict[tuple[str, str | None], Observed] = {}
         found: list[Any] = []
         if path in STREAM_PATHS:

@@ -357,6 +357,10 @@ class Derenderer(Protocol):
     vocab_size: int
     """The tokenizer's full size, added tokens included; batch execution
     refuses token ids at or above it (`checks`)."""
+    window: int
+    """How many independent calls the path answers together (`drive`): 1
+    where it answers one at a time, so callers read no further ahead than
+    that; `WINDOW` on the serve path."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""

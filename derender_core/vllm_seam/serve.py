@@ -596,6 +596,8 @@ class ServeEngine(DerenderEngine):
     engine steps batched (`_Pacer`); each script's streams are its own.
     """
 
+    window = WINDOW
+
     def __init__(
         self,
         state: Any,
