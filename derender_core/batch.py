@@ -316,7 +316,8 @@ class RecordProcessor:
             if len(records) == size:
                 yield from zip(records, self.window(records), strict=True)
                 records = []
-        yield from zip(records, self.window(records), strict=True)
+        if records:
+            yield from zip(records, self.window(records), strict=True)
 
     def window(self, records: list[Record]) -> list[Outcome]:
         """`process` for each of the one-shot records, their calls made
@@ -326,9 +327,11 @@ class RecordProcessor:
         logged outside every record's context, by a thread, goes to the
         record whose work started last: on a path that answers one call at
         a time, the one running), a bug its own error record."""
+        if not records:
+            return []
         outcomes: list[Outcome | _Pending] = []
         lines: list[list[LogLine]] = [[] for _ in records]
-        current = [[]] if not records else [lines[0]]
+        current = [lines[0]]
         with collected_vllm_logs(verbose=self.job.verbose, sink=lambda line: current[-1].append(line)):
             for record, logged in zip(records, lines, strict=True):
                 current.append(logged)

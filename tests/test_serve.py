@@ -33,7 +33,7 @@ import pytest
 from derender_core import Endpoint
 from derender_core.batch import Job
 from derender_core.parity import DERENDER_MODES, Chunking, Parity, requests_of
-from derender_core.protocol import DERENDER_ENDPOINTS, FramesAnswer
+from derender_core.protocol import DERENDER_ENDPOINTS, WINDOW, FramesAnswer
 from derender_core.records import Record
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
@@ -480,6 +480,13 @@ def test_a_batch_answers_each_request_as_alone(qwen3_serve: ServeStack) -> None:
     # The findings came with the answers that found them, in a batch too.
     answers = list(qwen3_serve.engine.post_many(Endpoint.CHAT, findings))
     assert [[f.request_id for f in a.findings] for a in answers] == [["early"], ["late"]]
+    # `derender chat --flavor serve` takes its records a window at a time:
+    # two full windows and one record, each answered as `post` answers it.
+    records = (chat * (2 * WINDOW))[: 2 * WINDOW + 1]
+    lines, code = jsonl_answers(qwen3_serve.engine, Job(Endpoint.CHAT), [orjson.dumps(x) for x in records])
+    assert code == 0
+    posted = [qwen3_serve.engine.post(Endpoint.CHAT, x).body for x in records]
+    assert normalize(lines) == normalize(posted)
 
 
 @pytest.mark.parametrize("name", ["llama3", "deepseek_v4"])
