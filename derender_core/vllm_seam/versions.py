@@ -20,7 +20,7 @@ import os
 from importlib import metadata
 
 PROVEN: dict[str, tuple[str, ...]] = {
-    "decode": ("0.33.0",),
+    "decode": ("0.33.0", "0.34.0"),
     "requests": ("0.33.0", "0.34.0"),
     "responses": ("0.33.0", "0.34.0"),
     "live": ("0.33.0", "0.34.0"),
