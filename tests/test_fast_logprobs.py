@@ -311,3 +311,49 @@ def test_the_usual_completion_takes_the_fast_path(sample: Any) -> None:
         fast = _answer(engine, body, Endpoint.COMPLETION)
     assert written == [len(choice["token_ids"])]
     assert fast == _answer(engine.in_mode(decode="reference"), body, Endpoint.COMPLETION)
+
+
+def _byte_level(engine: DerenderEngine) -> Any:
+    """The engine's per-id bytes (`logprobs.ByteLevelBytes`), or a skip."""
+    byte_level = engine._serving.online_derenderer.fragments
+    byte_level = getattr(byte_level, "byte_level", None)
+    if byte_level is None:
+        pytest.skip("not a byte-level tokenizer decoded by Rust alone: the correction decodes by the tokenizer")
+    return byte_level
+
+
+def test_byte_pieces_in_pairs_decode_as_the_tokenizer(engine: DerenderEngine) -> None:
+    """Every pair (and a spread of triples) of the byte pieces and the cut
+    characters' first pieces: the joined bytes decode to the tokenizer's
+    own text, U+FFFD and all."""
+    byte_level = _byte_level(engine)
+    derenderer = engine._serving.online_derenderer
+    pools = _pools(derenderer)
+    ids = list(dict.fromkeys(pools["byte"] + pools["cut"] + pools["ordinary"][:20]))
+    decode = derenderer.table._decoding.uncached
+    checked = 0
+    for first in ids:
+        for second in ids:
+            for sequence in ([first, second], [second, first, ids[(first + second) % len(ids)]]):
+                spelled = byte_level.spelled(sequence)
+                if spelled is not None:
+                    assert b"".join(spelled).decode("utf-8", "replace") == decode(sequence), sequence
+                    checked += 1
+    assert checked > len(ids) ** 2
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_spelled_ids_decode_as_the_tokenizer(engine: DerenderEngine, data: Any) -> None:
+    """Drawn runs of up to 5 ids of every kind: where every id is spelled,
+    the joined bytes decode to the tokenizer's own text."""
+    byte_level = _byte_level(engine)
+    derenderer = engine._serving.online_derenderer
+    pools = _pools(derenderer)
+    kinds = st.sampled_from(["ordinary", "special", "byte", "byte", "cut", "oov"])
+    element = kinds.flatmap(lambda kind: st.sampled_from(pools[kind]))
+    sequence = data.draw(st.lists(element, min_size=1, max_size=5), label="ids")
+    spelled = byte_level.spelled(sequence)
+    event("spelled" if spelled is not None else "left to the tokenizer")
+    if spelled is not None:
+        assert b"".join(spelled).decode("utf-8", "replace") == derenderer.table._decoding.uncached(sequence)

@@ -413,6 +413,8 @@ class _Decoding:
             and cls._decode is TokenizersBackend._decode
             and not tokenizer.clean_up_tokenization_spaces
         )
+        self.plain = plain
+        """Whether `decode` is the Rust tokenizer's own decode."""
         backend_decode = tokenizer.backend_tokenizer.decode
         self._decode: Any = (lambda ids: backend_decode(ids, skip_special_tokens=False)) if plain else tokenizer.decode
         self.uncached: Any = (

@@ -166,6 +166,7 @@ class Fragments:
 
         self.empty = Piece("", [])
         """What vLLM's correction makes of "": ``bytes`` []."""
+        self.byte_level = ByteLevelBytes(table) if ByteLevelBytes.applies(table) else None
 
     def learn(self, ids: list[int], kept_ids: list[int], ends: list[int], seen: set[int]) -> None:
         """Make the fragments of the ids in `seen` not met before, in the
@@ -326,28 +327,116 @@ def _corrections(
     contains = fragments.corrected.__contains__
     sampled = {}
     for position in compress(count(), map(contains, ids)):
-        sampled[position] = _corrected(fragments, ids[position], ids[max(position - 4, 0) : position])
+        context = ids[max(position - 4, 0) : position]
+        sampled[position] = _corrected(fragments, ids[position], context, _suffixes(fragments, context))
     candidates = {}
-    for k in compress(count(), map(contains, kept_ids)):
+    last, context, suffixes = -1, [], None
+    for k in compress(count(), map(contains, kept_ids)):  # in order: a position's candidates together
         position = bisect_right(ends, k) - 1  # the position whose candidates hold k
-        candidates[k] = _corrected(fragments, kept_ids[k], ids[max(position - 4, 0) : position])
+        if position != last:
+            last, context = position, ids[max(position - 4, 0) : position]
+            suffixes = _suffixes(fragments, context)
+        candidates[k] = _corrected(fragments, kept_ids[k], context, suffixes)
     return sampled, candidates
 
 
-def _corrected(fragments: Fragments, token_id: int, context: list[int]) -> Piece:
+def _suffixes(fragments: Fragments, context: list[int]) -> list[bytes] | None:
+    """The bytes of the context's last 1, 2, 3 and 4 ids, where a
+    ByteLevel decoder spells them all (`ByteLevelBytes`); else None."""
+    byte_level = fragments.byte_level
+    if byte_level is None:
+        return None
+    spelled = byte_level.spelled(context)
+    if spelled is None:
+        return None
+    suffixes, joined = [], b""
+    for raw in reversed(spelled):
+        joined = raw + joined
+        suffixes.append(joined)
+    return suffixes
+
+
+def _corrected(fragments: Fragments, token_id: int, context: list[int], suffixes: list[bytes] | None) -> Piece:
     """vLLM's ``_correct_decoded_token`` for a piece ending in U+FFFD
     (`fast.TokenTable._corrected`), its usual answer found first: for
     each context length it tries (1 up to 4 sampled ids), it decodes the
     context and the id and goes on while the text still ends in U+FFFD;
     where every one does, it answers "". Those decodes are made here by
-    the very decode it calls (`fast._Decoding`), with no memo between; any
-    other case runs vLLM's function."""
+    the very decode it calls (`fast._Decoding`), with no memo between, or
+    from the ids' bytes where a ByteLevel decoder spells them all
+    (`suffixes`, `ByteLevelBytes`); any other case runs vLLM's function."""
     table = fragments.table
+    own = fragments.byte_level.spelled([token_id]) if suffixes is not None else None  # type: ignore[union-attr]
+    if own is not None:
+        tail = own[0]
+        for head in suffixes:  # type: ignore[union-attr]
+            if not (head + tail).decode("utf-8", "replace").endswith(_REPLACEMENT):
+                return table._corrected(token_id, context)
+        return fragments.empty
     decode = table._decoding.uncached
-    for count in range(1, min(len(context), 4) + 1):
-        if not decode(context[-count:] + [token_id]).endswith(_REPLACEMENT):
+    for length in range(1, len(context) + 1):
+        if not decode(context[-length:] + [token_id]).endswith(_REPLACEMENT):
             return table._corrected(token_id, context)
     return fragments.empty
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: the byte each of its
+    256 characters spells (the ByteLevel decoder's ``CHAR_BYTES``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+class ByteLevelBytes:
+    """Per id, the bytes a ByteLevel decoder makes of its piece: each
+    character through the byte-level alphabet, or, where one is not in it,
+    the piece's UTF-8. The decoder joins its pieces' bytes and decodes them
+    as lossy UTF-8 (`fast.decoder_kind`'s ``byte-level``), and Python's
+    ``decode("utf-8", "replace")`` substitutes U+FFFD for the same maximal
+    ill-formed subsequences as Rust's ``String::from_utf8_lossy``, so a
+    decode of ids is the join of their bytes, decoded so. An id is spelled
+    only if it is in the vocabulary, not an added or special token (which
+    the tokenizer decodes apart), and its bytes decode to what the decoder
+    itself makes of it alone (checked once per id); any other id leaves the
+    decodes to the tokenizer."""
+
+    _CHAR_BYTES = _byte_of_char()
+
+    @staticmethod
+    def applies(table: TokenTable) -> bool:
+        """A ByteLevel decoder, reached with no Python decode around it."""
+        return table.kind == "byte-level" and table._decoding.plain
+
+    def __init__(self, table: TokenTable) -> None:
+        self.table = table
+        tokenizer = table.tokenizer
+        self.apart = frozenset(tokenizer.get_added_vocab().values()) | table.special_ids
+        self._bytes: dict[int, bytes | None] = {}
+
+    def spelled(self, ids: list[int]) -> list[bytes] | None:
+        """The bytes of each id, or None where one is not spelled."""
+        found = self._bytes
+        spelled = [found[i] if i in found else self._spell(i) for i in ids]
+        return None if None in spelled else spelled  # type: ignore[return-value]
+
+    def _spell(self, token_id: int) -> bytes | None:
+        spelled = None
+        table = self.table
+        if 0 <= token_id < table.size and token_id not in self.apart:
+            piece = table.tokenizer.backend_tokenizer.id_to_token(token_id)
+            if piece is not None:
+                chars = self._CHAR_BYTES
+                raw = bytes(chars[c] for c in piece) if all(c in chars for c in piece) else piece.encode("utf-8")
+                if raw.decode("utf-8", "replace") == table._decoding.uncached([token_id]):
+                    spelled = raw
+        self._bytes[token_id] = spelled
+        return spelled
 
 
 def carried(body: dict[str, Any], serving: Any) -> dict[str, Any]:
