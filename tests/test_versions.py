@@ -62,7 +62,10 @@ def test_off_switch_and_unknown_releases(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(versions.OFF_ENV, "prove:decode, live,bogus")
     assert versions.proving() == {"decode", "live"}
     assert [path for path in versions.PROVEN if versions.proven(path)] == ["decode", "live"]
-    assert "fast path decode     on, being proven" in versions.describe()
+    described = versions.describe()
+    assert "fast path decode     on, being proven (proven on vLLM " in described
+    # Every state column as wide as the longest, so the brackets line up.
+    assert len({line.index("(proven on") for line in described.splitlines()[1:]}) == 1
     message = versions.notice()
     assert message is not None and "requests" in message and "decode" not in message.split(":")[0]
     monkeypatch.setenv(versions.OFF_ENV, "prove:" + ",".join(versions.PROVEN))

@@ -120,9 +120,15 @@ def notice() -> str | None:
 def describe() -> str:
     """`derender --version`'s lines: vLLM's version and each fast path."""
     lines = [f"vLLM {installed() or '(not installed)'} (supported: {','.join(SUPPORTED)})"]
+    states = {path: _state(path) for path in PROVEN}
+    width = max(len(state) for state in states.values())
     for path, versions in PROVEN.items():
-        state = "on" if proven(path) else "off"
-        if path in proving() and installed() not in versions:
-            state = "on, being proven"
-        lines.append(f"  fast path {path:<10} {state:<4}(proven on vLLM {', '.join(versions)})")
+        lines.append(f"  fast path {path:<10} {states[path]:<{width}} (proven on vLLM {', '.join(versions)})")
     return "\n".join(lines)
+
+
+def _state(path: str) -> str:
+    """A path's state in `describe`: on, off, or on while being proven."""
+    if path in proving() and installed() not in PROVEN[path]:
+        return "on, being proven"
+    return "on" if proven(path) else "off"
