@@ -71,6 +71,8 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 from ..errors import ConfigError
 from . import parsers
 from . import logprobs as raw_logprobs
+from .logprobs import Piece
+from .logprobs import json_str as _json_str
 
 # What moved between the supported releases, each read off vLLM's own code
 # (not its version string), so one code path is exact on both.
@@ -105,8 +107,6 @@ def prompt_count(prompt_tokens: int | None, usage: Any) -> int:
 
 
 _REPLACEMENT = "\ufffd"
-_json_str = json.JSONEncoder(ensure_ascii=False).encode
-"""A string as the response's ``json.dumps(ensure_ascii=False)`` writes it."""
 
 # The methods the table stands in for, as the class that defines them for a
 # fast tokenizer has them; a subclass overriding one decodes its own way.
@@ -426,21 +426,6 @@ class _Decoding:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._known.get_or_make(tuple(token_ids), lambda: self._decode(token_ids))  # type: ignore[no-any-return]
-
-
-class Piece:
-    """One id's ``token`` and ``bytes`` for logprobs, and their JSON."""
-
-    __slots__ = ("token", "needs_correction", "token_json", "fields_before", "fields_after")
-
-    def __init__(self, token: str, token_bytes: list[int] | None) -> None:
-        self.token = token
-        self.needs_correction = token.endswith(_REPLACEMENT)
-        self.token_json = _json_str(token)
-        # ChatCompletionLogProb's fields in order, around the logprob.
-        self.fields_before = '{"token":' + self.token_json + ',"logprob":'
-        rendered_bytes = "null" if token_bytes is None else "[" + ",".join(map(str, token_bytes)) + "]"
-        self.fields_after = ',"bytes":' + rendered_bytes
 
 
 class Position(NamedTuple):

@@ -26,24 +26,42 @@ as before (`validated`).
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from bisect import bisect_right
 from itertools import accumulate, chain, compress, count, repeat
 from operator import add, itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import PrivateAttr
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
-
-if TYPE_CHECKING:
-    from .fast import Piece, TokenTable
 
 _ID_BOUND = 1 << 31
 """Ids the fast path takes: 0 up to this (past the vocabulary included, as
 vLLM decodes them: ""). Others (negative, huge) take vLLM's path."""
 
 _REPLACEMENT = "\ufffd"
+
+json_str = json.JSONEncoder(ensure_ascii=False).encode
+"""A string as the response's ``json.dumps(ensure_ascii=False)`` writes it."""
+
+
+class Piece:
+    """One id's ``token`` and ``bytes`` for logprobs, and their JSON."""
+
+    __slots__ = ("token", "needs_correction", "token_json", "fields_before", "fields_after")
+
+    def __init__(self, token: str, token_bytes: list[int] | None) -> None:
+        self.token = token
+        self.needs_correction = token.endswith(_REPLACEMENT)
+        self.token_json = json_str(token)
+        # ChatCompletionLogProb's fields in order, around the logprob.
+        self.fields_before = '{"token":' + self.token_json + ',"logprob":'
+        rendered_bytes = "null" if token_bytes is None else "[" + ",".join(map(str, token_bytes)) + "]"
+        self.fields_after = ',"bytes":' + rendered_bytes
+
+
 _token_ids = itemgetter("token_id")
 _logprobs = itemgetter("logprob")
 _RANK_TYPES = frozenset((int, type(None)))
@@ -149,7 +167,7 @@ class Fragments:
     serialisation (`fast.Piece`'s fields), looked up by the list: made from
     the table's `fast.TokenTable.logprob_piece`, once per id."""
 
-    def __init__(self, table: TokenTable) -> None:
+    def __init__(self, table: Any) -> None:
         self.table = table
         self.opening: dict[int, str] = {}
         """``{"token":...,"logprob":`` per id."""
@@ -162,8 +180,6 @@ class Fragments:
         """The token and its JSON string per id (completion logprobs)."""
         self.corrected: set[int] = set()
         """Ids whose piece ends in U+FFFD: vLLM corrects them by context."""
-        from .fast import Piece  # fast.py imports this module
-
         self.empty = Piece("", [])
         """What vLLM's correction makes of "": ``bytes`` []."""
         self.byte_level = ByteLevelBytes(table) if ByteLevelBytes.applies(table) else None
@@ -409,11 +425,11 @@ class ByteLevelBytes:
     _CHAR_BYTES = _byte_of_char()
 
     @staticmethod
-    def applies(table: TokenTable) -> bool:
+    def applies(table: Any) -> bool:
         """A ByteLevel decoder, reached with no Python decode around it."""
         return table.kind == "byte-level" and table._decoding.plain
 
-    def __init__(self, table: TokenTable) -> None:
+    def __init__(self, table: Any) -> None:
         self.table = table
         tokenizer = table.tokenizer
         self.apart = frozenset(tokenizer.get_added_vocab().values()) | table.special_ids
