@@ -62,6 +62,12 @@ class Normalization:
 
 DEFAULT_NORMALIZATION = Normalization()
 
+DRAWN_FIELDS = frozenset({"created", "id"})
+"""A response's own fields that each answer draws afresh (its timestamp,
+its random id): two answers share them by chance only (both timestamps in
+one second, which hangs on how long the paths between took), never as
+an agreement."""
+
 
 @dataclass(frozen=True)
 class Divergence:

@@ -26,6 +26,7 @@ from itertools import accumulate
 from typing import Any
 
 from .compare import (
+    DRAWN_FIELDS,
     Classes,
     Divergence,
     Examination,
@@ -449,7 +450,13 @@ class _Page:
                 context = self.one_shot_context(examination, item.divergence, left_fields, right_fields)
                 if context is not None:
                     self.context[item.number] = context
-        same = {k for k in keys if k not in by_key and k in left_fields and k in right_fields and left_fields[k] == right_fields[k]}
+        # A drawn field equal on both sides is chance, not agreement: never
+        # counted equal, so the page is the same whenever the answers came.
+        same = {
+            k for k in keys
+            if k not in by_key and not (k[0] is None and k[1] in DRAWN_FIELDS)
+            and k in left_fields and k in right_fields and left_fields[k] == right_fields[k]
+        }  # fmt: skip
         out = [
             f'<details class="frames" open><summary>response fields ({len(keys) - len(same)} shown, '
             f"{len(same)} equal on both sides: tick “equal fields” to show them)</summary>",

@@ -225,6 +225,23 @@ def test_values_are_escaped() -> None:
     assert dom.cards["d-1"]["data-request"] == hostile.replace("\udc80", "\\udc80").replace("\x00", "\\u0000")
 
 
+def test_a_timestamp_in_one_second_counts_no_field_equal() -> None:
+    """Both answers' ``created`` in one second or not (which hangs on how
+    long the paths between took: a window of requests, a worker's chunk),
+    the page is the same but for the values: a drawn field is never counted
+    equal on both sides, nor hidden with the equal ones."""
+
+    def page(left_created: int, right_created: int) -> str:
+        left = Observed(response={"id": "a", "created": left_created, "model": "m", "choices": [{"index": 0, "message": {"content": "x"}}]})
+        right = Observed(response={"id": "a", "created": right_created, "model": "m", "choices": [{"index": 0, "message": {"content": "y"}}]})
+        found = compare("oneshot", left, "serve-oneshot", right, request_id="r")
+        return build_page([Examination("r", {("oneshot", None): left, ("serve-oneshot", None): right}, found)], title="t")
+
+    apart, together = page(1000, 1001), page(1000, 1000)
+    assert together == apart.replace("1001", "1000")
+    assert "response fields (3 shown, 1 equal on both sides" in together  # content, id, created; model
+
+
 def test_the_page_grows_linearly() -> None:
     """10,000 divergences: ten times the page of 1,000, one section each."""
 
