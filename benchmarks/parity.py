@@ -10,9 +10,9 @@ cut one token per chunk. Each figure excludes start-up (the stacks are
 built first) and sits beside its floor where one exists: the `derender
 chat` run of the same records for oneshot (fast decode) and reference
 (``--decode reference``), `derender stream` (live) for live and for replay.
-Replay's 8k-token figure depends on the O(n) replay (issue 32, item 1):
-this script prints what the installed code does. The defaults are small, to
-finish on a shared machine; the issue's sizes are
+Replay's figures are the O(n) replay's (`--replay reference` would be
+vLLM's, O(n²)). The defaults are small, to
+finish on a shared machine; the full sizes are
 ``--records 1000 --long-tokens 8000 --long-records 20 --rss 1000,10000``
 (replay at 8,000 tokens takes minutes a record until it is O(n)).
 """
@@ -127,10 +127,10 @@ def peak_rss(path: Path, paths: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=400)
-    parser.add_argument("--records", type=int, default=40, help="records of --tokens per figure (issue: 1000)")
-    parser.add_argument("--long-tokens", type=int, default=2000, help="(issue: 8000)")
-    parser.add_argument("--long-records", type=int, default=1, help="records of --long-tokens (issue: 20)")
-    parser.add_argument("--rss", default="200,2000", help="record counts for peak RSS (issue: 1000,10000)")
+    parser.add_argument("--records", type=int, default=40, help="records of --tokens per figure (full size: 1000)")
+    parser.add_argument("--long-tokens", type=int, default=2000, help="(full size: 8000)")
+    parser.add_argument("--long-records", type=int, default=1, help="records of --long-tokens (full size: 20)")
+    parser.add_argument("--rss", default="200,2000", help="record counts for peak RSS (full size: 1000,10000)")
     parser.add_argument("--rss-paths", default="oneshot,reference,serve-oneshot")
     args = parser.parse_args()
     config = sample_config()
@@ -155,8 +155,7 @@ def main() -> None:
                 line += f"{floor[path]:>10.2f}{alone[path] / floor[path]:>12.3f}x  {what}"
             print(line)
         if "replay" in alone and "live" in alone:
-            print(f"replay costs {alone['live'] / alone['replay']:.2f}x live per record (target at most 2x at 8k tokens;"
-                  " the O(n) replay is issue 32 item 1)")
+            print(f"replay costs {alone['live'] / alone['replay']:.2f}x live per record (target at most 2x at 8k tokens)")
         all_six = sum(1 / alone[p] for p in PATHS)
         print(f"all six, summed per record: {1 / all_six:.2f} records/s (target 10 a worker at 400 tokens)")
     engine.close()
