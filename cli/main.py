@@ -218,6 +218,7 @@ def stream(
     output: opt.StreamOutputOpt = "-",
     output_format: opt.FormatOpt = opt.OutputFormat.jsonl,
     mode: opt.ModeOpt = opt.StreamMode.live,
+    replay: opt.ReplayOpt = opt.ReplayMode.fast,
     endpoint: opt.EndpointOpt = opt.DerenderEndpoint.chat,
     *,
     config: RenderConfig,
@@ -234,7 +235,7 @@ def stream(
     """
     return _derender(
         config, console, job, inputs=input_path, output=output, endpoint=Endpoint(endpoint.value),
-        stream_format=output_format.value, live=mode is opt.StreamMode.live,
+        stream_format=output_format.value, live=mode is opt.StreamMode.live, replay=replay.value,
     )  # fmt: skip
 
 

@@ -32,6 +32,11 @@ class StreamMode(str, Enum):
     replay = "replay"
 
 
+class ReplayMode(str, Enum):
+    fast = "fast"
+    reference = "reference"
+
+
 def _render_flag(name: str, kind: type, metavar: str, help_text: str) -> Any:
     """A render-server flag in vLLM's spelling; booleans get a --no- form so
     the command line can turn off what --config turned on."""
@@ -404,8 +409,17 @@ ModeOpt = Annotated[
         "--mode",
         help="live: each stream's parser kept between calls, O(n) per stream; "
         "answers and states equal replay's. replay: every call through vLLM's "
-        "own per-call path, O(n) per call, for bug-for-bug reproduction of the "
-        "render server. Not used with --flavor serve.",
+        "own per-call path, for bug-for-bug reproduction of the render server "
+        "(--replay). Not used with --flavor serve.",
+    ),
+]
+ReplayOpt = Annotated[
+    ReplayMode,
+    typer.Option(
+        "--replay",
+        help="With --mode replay: fast goes on from this process's answer to a stream's previous "
+        "call, O(n) per stream, with every answer and state vLLM's replay's (any other state takes "
+        "vLLM's replay). reference: vLLM's own replay of the whole history on every call, O(n^2).",
     ),
 ]
 DerenderEndpoint = _choices("DerenderEndpoint", tuple(endpoint.value for endpoint in DERENDER_ENDPOINTS))

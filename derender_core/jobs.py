@@ -122,6 +122,10 @@ class JobSpec:
     per-call replay)."""
     flavor: str = "derender"
     decode: str = "fast"
+    replay: str = "fast"
+    """Streams with ``live=False``: "fast" goes on from this process's
+    answer to a stream's previous call (vLLM's replay answers any other
+    state); "reference" is vLLM's replay of the whole history on every call."""
     requests: str | None = None
     """JSONL of the original requests, to join bare generate output."""
     lenient: bool = False
@@ -358,6 +362,7 @@ def build_engine(
     flavor: str = "derender",
     live: bool = False,
     decode: str = "fast",
+    replay: str = "fast",
     warm: WarmEngines | None = None,
 ) -> tuple[Derenderer, str]:
     """The engine for a run, and how the summary names its start-up: the
@@ -378,12 +383,12 @@ def build_engine(
         started = time.perf_counter()
         engine = warm(config)
         if engine is not None:
-            engine = engine.in_mode(live=live, decode=decode)
+            engine = engine.in_mode(live=live, decode=decode, replay=replay)
             engine.startup_seconds = time.perf_counter() - started
             return engine, "model (warm)"
     from .vllm_seam.render import DerenderEngine
 
-    return DerenderEngine.build(config, live=live, decode=decode), "model"
+    return DerenderEngine.build(config, live=live, decode=decode, replay=replay), "model"
 
 
 def _checked_manifest(config: RenderConfig, spec: JobSpec, target: Target) -> tuple[Manifest, Manifest | None]:
@@ -421,7 +426,7 @@ def _run_here(
         observer.loading(config.model or "")
         _say_fast_paths(observer)
         engine, startup_name = build_engine(
-            config, flavor=spec.flavor, live=spec.live, decode=spec.decode, warm=warm
+            config, flavor=spec.flavor, live=spec.live, decode=spec.decode, replay=spec.replay, warm=warm
         )  # fmt: skip
         resources.callback(engine.close)
         if spec.renders:
@@ -478,7 +483,7 @@ def _run_on_ray(config: RenderConfig, spec: JobSpec, plan: list[Target], paths: 
         reports, startup = run_on_ray(
             config, spec.job(), openers, address=spec.ray_address, actors=spec.ray_actors,
             whole_stream_answers=spec.line_per_record, live=spec.live, decode=spec.decode,
-            fail_fast=spec.fail_fast, error_log=_error_log(spec, plan, resources),
+            replay=spec.replay, fail_fast=spec.fail_fast, error_log=_error_log(spec, plan, resources),
         )  # fmt: skip
     actors = sum(report.startup for _, report in reports)
     outputs = {target.input: target.output for target in plan}

@@ -181,6 +181,7 @@ class Derender:
         stream: bool = False,
         live: bool = True,
         decode: str = "fast",
+        replay: str = "fast",
         model: ModelBundle | None = None,
         whole_stream_answers: bool = True,
         lenient: bool = False,
@@ -190,7 +191,7 @@ class Derender:
 
         if model is not None:
             config = model.unpacked(config)
-        self.engine = DerenderEngine.build(config, live=live, decode=decode)
+        self.engine = DerenderEngine.build(config, live=live, decode=decode, replay=replay)
         self.job = Job(Endpoint(endpoint), stream=stream, lenient=lenient, render_prompts=render_prompts)
         self.whole_stream_answers = whole_stream_answers
         self._processor = RecordProcessor(self.engine, self.job)
@@ -413,6 +414,7 @@ def run_on_ray(
     whole_stream_answers: bool = True,
     live: bool = True,
     decode: str = "fast",
+    replay: str = "fast",
     fail_fast: bool = False,
     error_log: ErrorLog | None = None,
 ) -> tuple[list[tuple[str, Report]], float]:
@@ -441,7 +443,7 @@ def run_on_ray(
         whole = whole_stream_answers
         constructor = {
             "config": config, "endpoint": job.endpoint, "stream": job.stream,
-            "live": live, "decode": decode, "model": bundle, "whole_stream_answers": whole, "lenient": job.lenient,
+            "live": live, "decode": decode, "replay": replay, "model": bundle, "whole_stream_answers": whole, "lenient": job.lenient,
             "render_prompts": job.render_prompts,
         }  # fmt: skip
         for input_path, open_writer in inputs:

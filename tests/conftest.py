@@ -135,11 +135,13 @@ def cli(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunn
     monkeypatch.chdir(REPO)
     build = DerenderEngine.build.__func__  # type: ignore[attr-defined]
 
-    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
+    def reuse(
+        cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False, decode: str = "fast", replay: str = "fast"
+    ) -> DerenderEngine:
         absolute = dataclasses.replace(config, model=str(REPO / (config.model or "")))
         if absolute == sample_config():
-            return qwen3_stack.engine.in_mode(live=live, decode=decode)
-        return build(cls, config, live=live, decode=decode)
+            return qwen3_stack.engine.in_mode(live=live, decode=decode, replay=replay)
+        return build(cls, config, live=live, decode=decode, replay=replay)
 
     monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
     yield CliRunner()

@@ -260,8 +260,10 @@ def in_process(sample_engine: DerenderEngine, monkeypatch: pytest.MonkeyPatch) -
     """The CLI in this process on the module's real engine (no start-up per run)."""
     monkeypatch.chdir(REPO)
 
-    def reuse(cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False, decode: str = "fast") -> DerenderEngine:
-        return sample_engine.in_mode(live=live, decode=decode)
+    def reuse(
+        cls: type[DerenderEngine], config: RenderConfig, *, live: bool = False, decode: str = "fast", replay: str = "fast"
+    ) -> DerenderEngine:
+        return sample_engine.in_mode(live=live, decode=decode, replay=replay)
 
     monkeypatch.setattr(DerenderEngine, "build", classmethod(reuse))
     return CliRunner()

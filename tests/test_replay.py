@@ -283,3 +283,35 @@ def test_replay_reference_is_vllms_own(qwen3: Family, tmp_path: Path) -> None:
     assert counters.gone_on == before
     with pytest.raises(ConfigError, match="--replay"):
         qwen3.engine.in_mode(replay="bogus")
+
+
+def test_the_command_takes_vllms_replay_one_flag_away(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``derender stream --mode replay`` goes on from each call's answer;
+    ``--replay reference`` replays the whole history on every call, as
+    vLLM's replay does, and writes the same bytes."""
+    from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
+
+    from cli.main import app
+
+    steps = 0
+    step = ChatStreamProcessor.step
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatStreamProcessor, "step", counted)
+    outputs, counts = {}, {}
+    for replay in ("fast", "reference"):
+        steps = 0
+        result = cli.invoke(
+            app,
+            ["stream", "sample_data/stream.jsonl", "--config", "sample_data/qwen3.yaml", "--mode", "replay", "--replay", replay, "-q", "-j", "1"],
+        )
+        assert result.exit_code == 0, result.output
+        outputs[replay], counts[replay] = [normalize(orjson.loads(line)) for line in result.stdout.splitlines()], steps
+    assert outputs["fast"] == outputs["reference"]
+    assert len(outputs["fast"]) == 71
+    # The sample's streams hold 20 to 36 calls: O(n²) steps against O(n).
+    assert counts["reference"] > 5 * counts["fast"] > 0

@@ -117,6 +117,8 @@ class DerenderEngine(CodeAPI):
         """Live streaming (parser state kept between calls); on a vLLM the
         live path was not proven on, every call runs the server's replay."""
         self.decode = self._allowed_decode(decode)
+        """"fast": exact batched decode (`fast.TokenTable`) where the
+        tokenizer allows; "reference": vLLM's own per-token path."""
         if self._fast_paths.replay:
             from .replay import ReplayStreams
 
@@ -125,8 +127,6 @@ class DerenderEngine(CodeAPI):
         """"fast": a stream's replay goes on from its previous call here
         (`replay.ReplayStreams`); "reference": vLLM's replay of the whole
         history per call."""
-        """"fast": exact batched decode (`fast.TokenTable`) where the
-        tokenizer allows; "reference": vLLM's own per-token path."""
         self.vocab_size = _vocab_size(self.tokenizer)
         """The tokenizer's full size, added tokens included: ids at or above
         it decode as nothing."""
