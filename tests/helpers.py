@@ -377,3 +377,21 @@ def transcript_name(request_id: str | None) -> str:
     prefix = re.sub(r"[^A-Za-z0-9._~-]+", "_", request_id or "")[:80].lstrip(".-~") or "id"
     digest = hashlib.sha256(_json.dumps(request_id, ensure_ascii=True).encode("ascii")).hexdigest()[:12]
     return f"{prefix}-{digest}.sse"
+
+
+class ParserSteps:
+    """vLLM's ``ChatStreamProcessor.step`` calls in this process, counted
+    from construction (set `count` to 0 to start again): how many chunks a
+    stream's parser stepped, so a test tells O(n) from O(n²) replays."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
+
+        self.count = 0
+        step = ChatStreamProcessor.step
+
+        def counted(processor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return step(processor, *args, **kwargs)
+
+        monkeypatch.setattr(ChatStreamProcessor, "step", counted)

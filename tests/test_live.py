@@ -27,7 +27,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, RecordProcessor
 from derender_core.records import Record
 from tests.conftest import Stack
-from tests.helpers import jsonl_answers, normalize, requires_fast, server_stream_answers
+from tests.helpers import ParserSteps, jsonl_answers, normalize, requires_fast, server_stream_answers
 from tests.sample_inputs import (
     WEATHER_TOOL,
     StreamPlan,
@@ -107,34 +107,24 @@ def test_completion_streams_live_equal_replay(stack: Stack) -> None:
 def test_live_steps_each_chunk_once(qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     """Live mode and the fast replay step the parser once per chunk; vLLM's
     replay steps the whole history again on every call."""
-    from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
-
-    steps = 0
-    step = ChatStreamProcessor.step
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal steps
-        steps += 1
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChatStreamProcessor, "step", counted)
+    steps = ParserSteps(monkeypatch)
     plan = stream_plans(qwen3_stack.builder)[0]  # one choice, one token per chunk
     bodies = stream_bodies(qwen3_stack.builder, [plan])
     chunks = len(plan.choices[0])
     answers(qwen3_stack.engine.in_mode(live=True), Endpoint.CHAT, bodies)
-    assert steps == chunks
-    steps = 0
+    assert steps.count == chunks
+    steps.count = 0
     answers(qwen3_stack.engine.in_mode(live=False, replay="reference"), Endpoint.CHAT, bodies)
     # vLLM's replay: call k replays k - 1 chunks and steps its own; the
     # usage-only chunk at the end replays all of them.
-    assert steps == chunks * (chunks + 1) // 2 + chunks
-    steps = 0
+    assert steps.count == chunks * (chunks + 1) // 2 + chunks
+    steps.count = 0
     answers(qwen3_stack.engine.in_mode(live=False, replay="fast"), Endpoint.CHAT, bodies)
     # The fast replay steps each chunk once, going on from each call's
     # answer; the second call first rebuilds the first's one chunk from the
     # state vLLM's replay answered, and the usage-only call after the finish
     # is vLLM's replay of all of them (a finished stream does not go on).
-    assert steps == chunks + 1 + chunks
+    assert steps.count == chunks + 1 + chunks
 
 
 @requires_fast("live")

@@ -30,7 +30,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job
 from derender_core.coverage import families_here
 from tests.families import CASES, SPECS, family_markup, render_config
-from tests.helpers import jsonl_answers, no_network, normalize, requires_fast
+from tests.helpers import ParserSteps, jsonl_answers, no_network, normalize, requires_fast
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
@@ -289,28 +289,18 @@ def test_the_command_takes_vllms_replay_one_flag_away(cli: Any, monkeypatch: pyt
     """``derender stream --mode replay`` goes on from each call's answer;
     ``--replay reference`` replays the whole history on every call, as
     vLLM's replay does, and writes the same bytes."""
-    from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
-
     from cli.main import app
 
-    steps = 0
-    step = ChatStreamProcessor.step
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal steps
-        steps += 1
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChatStreamProcessor, "step", counted)
+    steps = ParserSteps(monkeypatch)
     outputs, counts = {}, {}
     for replay in ("fast", "reference"):
-        steps = 0
+        steps.count = 0
         result = cli.invoke(
             app,
             ["stream", "sample_data/stream.jsonl", "--config", "sample_data/qwen3.yaml", "--mode", "replay", "--replay", replay, "-q", "-j", "1"],
         )
         assert result.exit_code == 0, result.output
-        outputs[replay], counts[replay] = [normalize(orjson.loads(line)) for line in result.stdout.splitlines()], steps
+        outputs[replay], counts[replay] = [normalize(orjson.loads(line)) for line in result.stdout.splitlines()], steps.count
     assert outputs["fast"] == outputs["reference"]
     assert len(outputs["fast"]) == 71
     # The sample's streams hold 20 to 36 calls: O(n²) steps against O(n).

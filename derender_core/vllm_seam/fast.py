@@ -35,7 +35,7 @@ import contextlib
 import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -631,6 +631,24 @@ class FastDerenderer(OnlineDerenderer):
         matched, truncate_to = match
         return (text if truncate_to == -1 else text[:truncate_to]), matched
 
+    def _logprobs_json(
+        self,
+        generate_logprobs: Any,
+        top_limit: int | None,
+        options: dict[str, Any],
+        write_checked: Callable[..., str | None],
+        render: Callable[[Any], str | None],
+    ) -> tuple[Any, str | None]:
+        """A choice's logprobs JSON (None where vLLM's models must fail as
+        they do), and its logprobs as read for that: written from the body
+        where the body was checked there (`raw_logprobs`), else validated
+        and resolved over the table."""
+        as_ids = options.get("return_tokens_as_token_ids", False)
+        if type(generate_logprobs) is raw_logprobs.RawLogProbs and not as_ids:
+            return generate_logprobs, write_checked(self.fragments, generate_logprobs.usual, top_limit)
+        generate_logprobs = raw_logprobs.validated(generate_logprobs)
+        return generate_logprobs, render(self.table.resolve_logprobs(generate_logprobs, (), top_limit, as_ids))
+
     def _derender_chat(
         self,
         generate_response: GenerateTokensResponse,
@@ -685,15 +703,9 @@ class FastDerenderer(OnlineDerenderer):
                 raise ValueError(f"choice {choice.index} has empty or null token_ids")
             resolved_logprobs, spliced = None, None
             if choice.logprobs is not None and not hide_metadata:
-                generate_logprobs = choice.logprobs
-                if type(generate_logprobs) is raw_logprobs.RawLogProbs and not options.get("return_tokens_as_token_ids"):
-                    # Checked in the body, written from it (`raw_logprobs`).
-                    spliced = raw_logprobs.chat_json(self.fragments, generate_logprobs.usual, top_limit)
-                else:
-                    generate_logprobs = raw_logprobs.validated(generate_logprobs)
-                    spliced = render_chat_logprobs(
-                        self.table.resolve_logprobs(generate_logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
-                    )
+                generate_logprobs, spliced = self._logprobs_json(
+                    choice.logprobs, top_limit, options, raw_logprobs.chat_json, render_chat_logprobs
+                )
                 if spliced is None:  # not serialisable: vLLM's models fail as they do
                     resolved_logprobs = _resolve_logprobs(
                         raw_logprobs.validated(generate_logprobs), tokenizer, top_limit=top_limit, **options
@@ -762,15 +774,9 @@ class FastDerenderer(OnlineDerenderer):
                 )  # fmt: skip
                 completion_logprobs, spliced = None, None
                 if choice.logprobs is not None:
-                    generate_logprobs = choice.logprobs
-                    if type(generate_logprobs) is raw_logprobs.RawLogProbs and not options.get("return_tokens_as_token_ids"):
-                        # Checked in the body, written from it (`raw_logprobs`).
-                        spliced = raw_logprobs.completion_json(self.fragments, generate_logprobs.usual, top_limit)
-                    else:
-                        generate_logprobs = raw_logprobs.validated(generate_logprobs)
-                        spliced = render_completion_logprobs(
-                            self.table.resolve_logprobs(generate_logprobs, (), top_limit, options.get("return_tokens_as_token_ids", False))
-                        )
+                    generate_logprobs, spliced = self._logprobs_json(
+                        choice.logprobs, top_limit, options, raw_logprobs.completion_json, render_completion_logprobs
+                    )
                     if spliced is None:
                         generate_logprobs = raw_logprobs.validated(generate_logprobs)
                         resolved = _resolve_logprobs(generate_logprobs, tokenizer, top_limit=top_limit, **options)
