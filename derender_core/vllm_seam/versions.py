@@ -121,7 +121,7 @@ def describe() -> str:
     """`derender --version`'s lines: vLLM's version and each fast path."""
     lines = [f"vLLM {installed() or '(not installed)'} (supported: {','.join(SUPPORTED)})"]
     states = {path: _state(path) for path in PROVEN}
-    width = max(len(state) for state in states.values())
+    width = max(len("off"), *(len(state) for state in states.values()))
     for path, versions in PROVEN.items():
         lines.append(f"  fast path {path:<10} {states[path]:<{width}} (proven on vLLM {', '.join(versions)})")
     return "\n".join(lines)
