@@ -321,24 +321,14 @@ def check_live_chunks(engine: Any, plans: list[Any], data: Any) -> None:
     """A corpus stream cut at drawn chunk sizes, with or without logprobs:
     every live call (fast decode) equals replay on vLLM's own decode, chunk
     and state."""
-    import dataclasses
-
     import orjson
 
     from derender_core import Endpoint
     from derender_core.batch import Job
     from tests.helpers import jsonl_answers, normalize
-    from tests.sample_inputs import chunks_of, stream_body
+    from tests.sample_inputs import drawn_chunking, stream_body
 
-    plan = data.draw(st.sampled_from(plans), label="plan")
-    sizes = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4), label="chunk sizes")
-    ids = [t for chunk in plan.choices[0] for t in chunk]
-    plan = dataclasses.replace(
-        plan,
-        choices=[chunks_of(ids, sizes)],
-        finish_only_tail=data.draw(st.booleans(), label="finish on a chunk of its own"),
-        logprobs=data.draw(st.booleans(), label="logprobs"),
-    )
+    plan = drawn_chunking(data, plans, 5)
     from tests.sample_inputs import generate_chunks
 
     model = engine._serving.models.model_name()

@@ -12,6 +12,7 @@ inputs from the bundled Qwen3 model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -408,6 +409,23 @@ def chunks_of(token_ids: list[int], sizes: Sequence[int]) -> list[list[int]]:
         position += size
         turn += 1
     return chunks
+
+
+def drawn_chunking(data: Any, plans: Sequence[StreamPlan], largest: int) -> StreamPlan:
+    """One of `plans` (one choice each) cut into Hypothesis-drawn chunk
+    sizes up to `largest`, its finish maybe on a chunk of its own, with or
+    without logprobs (`data`: Hypothesis's ``st.data()``)."""
+    from hypothesis import strategies as st
+
+    plan = data.draw(st.sampled_from(list(plans)), label="plan")
+    sizes = data.draw(st.lists(st.integers(1, largest), min_size=1, max_size=4), label="chunk sizes")
+    ids = [t for chunk in plan.choices[0] for t in chunk]
+    return dataclasses.replace(
+        plan,
+        choices=[chunks_of(ids, sizes)],
+        finish_only_tail=data.draw(st.booleans(), label="finish on a chunk of its own"),
+        logprobs=data.draw(st.booleans(), label="logprobs"),
+    )
 
 
 @dataclass

@@ -34,7 +34,7 @@ from tests.helpers import ParserSteps, jsonl_answers, no_network, normalize, req
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
-    chunks_of,
+    drawn_chunking,
     family_plans,
     generate_chunks,
     stream_bodies,
@@ -196,15 +196,7 @@ def test_any_walk_replays_as_vllm_replays(family: Family, data: st.DataObject) -
     walked with retries, forks, in-place edits and captured states, on
     either decode: every call the same on both replays."""
     plans = [plan for plan in family_plans(family.builder) if len(plan.choices) == 1]
-    plan: StreamPlan = data.draw(st.sampled_from(plans), label="plan")
-    sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4), label="chunk sizes")
-    ids = [t for chunk in plan.choices[0] for t in chunk]
-    plan = dataclasses.replace(
-        plan,
-        choices=[chunks_of(ids, sizes)],
-        finish_only_tail=data.draw(st.booleans(), label="finish on a chunk of its own"),
-        logprobs=data.draw(st.booleans(), label="logprobs"),
-    )
+    plan: StreamPlan = drawn_chunking(data, plans, 6)
     model = family.engine._serving.models.model_name()
     bodies = [stream_body(plan, chunk, model) for chunk in generate_chunks(plan)]
     steps = data.draw(st.lists(ACTIONS, min_size=len(bodies), max_size=2 * len(bodies) + 4), label="walk")
