@@ -196,8 +196,9 @@ class RenderServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
+        tail = self.log_tail()  # before stop() closes the log
         self.stop()
-        raise RuntimeError(f"render server not ready in {timeout} s:\n{self.log_tail()}")
+        raise RuntimeError(f"render server not ready in {timeout} s:\n{tail}")
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from derender_core import DerenderEngine, Endpoint
 from derender_core.logs import collected_vllm_logs
 from derender_core.protocol import Answer
+from derender_core.vllm_seam.logprobs import validated
 from tests.conftest import sample_config
 from tests.helpers import normalize
 from tests.sample_inputs import (
@@ -100,7 +101,23 @@ def _outcome(validate: Any, body: dict[str, Any]) -> tuple[str, Any, dict[str, A
     except Exception as exc:  # noqa: BLE001 - compared, not hidden
         errors = exc.errors(include_url=False) if hasattr(exc, "errors") else str(exc)
         return type(exc).__name__, repr(errors), body
-    return type(request).__name__, _blank_request_ids(request.model_dump()), body
+    return type(request).__name__, _blank_request_ids(_with_logprobs_validated(request)), body
+
+
+def _with_logprobs_validated(request: Any) -> dict[str, Any]:
+    """The request's dump, each choice's logprobs as vLLM's code reads them:
+    the fast path carries the usual shape unvalidated (`RawLogProbs`, held
+    equal to vLLM's validation by test_fast_logprobs) and validates it
+    where vLLM's code reads it."""
+    dump: dict[str, Any] = request.model_dump()
+    # A chat body's generate_response; a completion body's generate_responses.
+    responses = [(getattr(request, "generate_response", None), dump.get("generate_response"))]
+    responses += zip(getattr(request, "generate_responses", None) or [], dump.get("generate_responses") or [])
+    for generate, dumped in responses:
+        for choice, dumped_choice in zip(getattr(generate, "choices", None) or [], (dumped or {}).get("choices") or []):
+            if choice.logprobs is not None:
+                dumped_choice["logprobs"] = validated(choice.logprobs).model_dump()
+    return dump
 
 
 def _blank_request_ids(value: Any) -> Any:
