@@ -111,10 +111,15 @@ class RunPaths:
     def claimed(self, path: str | os.PathLike[str]) -> str | None:
         """The input or output (its flag and path) that `path` names, by
         any name, or None: a file named at run time must not be one."""
-        identity = _identity(os.fspath(path), None)
-        if identity is None:
-            return None
-        return self._inputs.get(identity) or self._outputs.get(identity)
+        path = os.fspath(path)
+        # An output that did not exist when the run began was claimed by
+        # its resolved path; by now it may exist (a report streamed to disk).
+        for identity in (_identity(path, None), ("path", os.path.realpath(path))):
+            if identity is not None:
+                found = self._inputs.get(identity) or self._outputs.get(identity)
+                if found is not None:
+                    return found
+        return None
 
     def is_input(self, path: str | os.PathLike[str]) -> bool:
         """Whether `path` is one of the run's inputs (device and inode:

@@ -142,7 +142,8 @@ def test_hostile_ids_through_the_cli_and_the_real_render_server(tmp_path: Path, 
     # And the run's --report where req.2's report would go.
     table = work / f"{file_stem(f'req.2~{KIND}')}.md"
     done = run_cli(
-        "parity", given_input.name, *FLAGS, "--repro", ".", "--report", table.name, "--minimize", "minimal.json", cwd=work
+        "parity", given_input.name, *FLAGS, "--repro", ".", "--report", table.name, "--minimize", "minimal.json",
+        "--minimize-all", cwd=work,  # every record its own report, not one per class
     )  # fmt: skip
     assert done.returncode == 1, done.stderr.decode()
     assert given_input.read_bytes() == original
