@@ -15,6 +15,7 @@ serialise to, or None exactly where they cannot be serialised.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -265,8 +266,6 @@ def _finite(body: Any) -> bool:
 def test_the_usual_record_takes_the_fast_path(sample: Any) -> None:
     """A usual body's logprobs reach the derenderer unvalidated, and the
     answer is the reference one."""
-    from derender_core.vllm_seam import logprobs as raw_logprobs
-
     engine, bodies = sample
     body = copy.deepcopy(bodies[0][1])
     choice = body["generate_response"]["choices"][0]
@@ -274,24 +273,34 @@ def test_the_usual_record_takes_the_fast_path(sample: Any) -> None:
 
     choice["logprobs"] = logprobs_for(choice["token_ids"], top=6)
     body["chat_request"].update(logprobs=True, top_logprobs=5)
-    written: list[int] = []
-    chat_json = raw_logprobs.chat_json
-
-    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
-        written.append(len(usual.content))
-        return chat_json(fragments, usual, top_limit)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(raw_logprobs, "chat_json", spy)
+    with _writes("chat_json") as written:
         fast = _answer(engine, body)
     assert written == [len(choice["token_ids"])]
     assert body["generate_response"]["choices"][0]["logprobs"]["content"][0]["token_id"] == choice["token_ids"][0]
     assert fast == _answer(engine.in_mode(decode="reference"), body)
 
 
+@contextlib.contextmanager
+def _writes(writer: str) -> Iterator[list[int]]:
+    """The positions each call of `raw_logprobs`'s `writer` (``chat_json``
+    or ``completion_json``) wrote, while the block runs: the fast path's
+    writes, where vLLM's models would have been built."""
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+
+    written: list[int] = []
+    write = getattr(raw_logprobs, writer)
+
+    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
+        written.append(len(usual.content))
+        return write(fragments, usual, top_limit)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(raw_logprobs, writer, spy)
+        yield written
+
+
 def test_the_usual_completion_takes_the_fast_path(sample: Any) -> None:
     """A usual completion body's logprobs, too."""
-    from derender_core.vllm_seam import logprobs as raw_logprobs
     from tests.sample_inputs import logprobs_for
 
     engine, bodies = sample
@@ -299,15 +308,7 @@ def test_the_usual_completion_takes_the_fast_path(sample: Any) -> None:
     choice = body["generate_responses"][0]["choices"][0]
     choice["logprobs"] = logprobs_for(choice["token_ids"], top=6)
     body["completion_request"]["logprobs"] = 5
-    written: list[int] = []
-    completion_json = raw_logprobs.completion_json
-
-    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
-        written.append(len(usual.content))
-        return completion_json(fragments, usual, top_limit)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(raw_logprobs, "completion_json", spy)
+    with _writes("completion_json") as written:
         fast = _answer(engine, body, Endpoint.COMPLETION)
     assert written == [len(choice["token_ids"])]
     assert fast == _answer(engine.in_mode(decode="reference"), body, Endpoint.COMPLETION)
