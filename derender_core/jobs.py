@@ -59,6 +59,7 @@ from .outputs import RunPaths
 from .parity import (
     DERENDER_MODES,
     PATHS,
+    SERVE_PATHS,
     Chunking,
     LogTally,
     Parity,
@@ -66,7 +67,7 @@ from .parity import (
     from_serve,
     requests_of,
 )
-from .protocol import Derenderer, Endpoint
+from .protocol import WINDOW, Derenderer, Endpoint
 from .records import (
     RequestIndex,
     open_output,
@@ -738,7 +739,8 @@ EXAMPLES_PER_CLASS = 3
 """Requests of each class the page shows in full (`ParitySpec.examine`)."""
 _CHECKPOINT_SECONDS = 2.0
 _POOL_CHUNK = 4
-"""Requests per message to a parity worker."""
+"""Requests per message to a parity worker (or Ray actor) where no path
+batches; a serve path gets a window of them (`ParityWork.chunk`)."""
 
 
 @dataclass
@@ -1024,6 +1026,14 @@ class ParityWork:
     def checker(self, engines: Mapping[str, Derenderer]) -> Parity:
         return Parity(engines, self.endpoint, ignore=self.ignore, normalization=self.normalization)
 
+    @property
+    def chunk(self) -> int:
+        """Requests per message to a worker: the serve path answers a
+        window of requests as one batch (`Derenderer.drive`), which a
+        smaller message would cut short; the other paths answer one at a
+        time, and small messages keep the workers evenly loaded."""
+        return WINDOW if SERVE_PATHS & set(self.paths) else _POOL_CHUNK
+
 
 # --- parity on forked workers ------------------------------------------------------------
 
@@ -1044,6 +1054,10 @@ class _ParityPool:
         import multiprocessing
 
         self.workers = workers
+        self._chunk = work.chunk
+        # At most a few chunks a worker in flight, two at least (one being
+        # examined, one waiting), so memory stays flat.
+        self._in_flight = max(2, 16 // self._chunk) * workers
         for engine in {id(e): e for e in engines.values()}.values():
             engine.close()  # no event loop is shared with the children
         _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
@@ -1070,10 +1084,10 @@ class _ParityPool:
 
         for request in requests:
             chunk.append(request)
-            if len(chunk) >= _POOL_CHUNK:
+            if len(chunk) >= self._chunk:
                 sent()
                 chunk = []
-                while len(pending) >= 4 * self.workers:
+                while len(pending) >= self._in_flight:
                     yield from self._received(pending.popleft())
         if chunk:
             sent()
@@ -1153,7 +1167,7 @@ def _parity_on_ray(
         chunk: list[Request] = []
         for request in _skipping(inputs, result, done, on_skip):
             chunk.append(request)
-            if len(chunk) >= _POOL_CHUNK:
+            if len(chunk) >= work.chunk:
                 pool.submit(lambda a, c: a.examine.remote(c), chunk)
                 pending.append(chunk)
                 chunk = []
@@ -1307,7 +1321,7 @@ def _parity_engines(
         derender, _ = build_engine(config, warm=warm)
         resources.callback(derender.close)
         engines.update({path: derender.in_mode(**DERENDER_MODES[path]) for path in paths if path in DERENDER_MODES})
-    if serve and {"serve", "serve-oneshot"} & set(paths):
+    if serve and SERVE_PATHS & set(paths):
         built, _ = build_engine(config, flavor="serve")
         resources.callback(built.close)
         engines.update({path: built for path in paths if path.startswith("serve")})

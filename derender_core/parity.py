@@ -60,6 +60,8 @@ from .writers import Assembly
 
 PATHS = ("oneshot", "reference", "replay", "live", "serve", "serve-oneshot")
 STREAM_PATHS = frozenset({"replay", "live", "serve"})
+SERVE_PATHS = frozenset({"serve", "serve-oneshot"})
+"""The paths `vllm serve`'s own stack answers (one serve engine for both)."""
 DERENDER_MODES: dict[str, dict[str, Any]] = {
     "oneshot": {"live": False, "decode": "fast"},
     "reference": {"live": False, "decode": "reference"},

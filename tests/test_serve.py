@@ -37,7 +37,7 @@ from derender_core.protocol import DERENDER_ENDPOINTS, WINDOW, FramesAnswer
 from derender_core.records import Record
 from derender_core.vllm_seam import serve
 from derender_core.vllm_seam.stack import prepare_environment
-from derender_core.vllm_seam.versions import installed
+from derender_core.vllm_seam.versions import installed, proven
 from derender_core.writers import AssembledWriter, JsonlWriter, SseWriter
 from tests.conftest import ServeStack, Stack
 from tests.helpers import (
@@ -220,6 +220,38 @@ def test_each_call_answers_the_frames_serve_sent_for_it(qwen3_serve: ServeStack)
     assert in_calls == [json.loads(normalized_bytes(event)) for event in events[:-1]]
     message = json.loads(assembled.getvalue())["choices"][0]["message"]
     assert (message["role"], message["content"]) == ("assistant", "Hi there, friend!")
+
+
+def test_a_streams_request_is_validated_once(qwen3_serve: ServeStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve reads a stream's request once, when it opens, so the serve path
+    validates it on the stream's first call and only the rest of each later
+    call whose request and prompt ids are the first call's (the `requests`
+    fast path). What every call answers is what it answers with each call
+    validated whole, and a later call whose request changed (here to one
+    that does not validate) is validated whole again."""
+    if not proven("requests"):
+        pytest.skip("the requests fast path is off on this vLLM")
+    b = qwen3_serve.builder
+    bodies = copy.deepcopy(stream_bodies(b, chat_stream_corpus(b)))
+    for body in bodies:  # ids no earlier test's stream had on this engine
+        body["generate_chunk"]["request_id"] = "once-" + body["generate_chunk"]["request_id"]
+    streams = _streams_by_request(bodies)
+    edited = copy.deepcopy(streams[0][1])
+    edited["chat_request"] = {**edited["chat_request"], "n": "two"}
+    bodies = [body for stream in streams for body in stream]
+    bodies.insert(bodies.index(streams[0][1]) + 1, edited)
+    engine = qwen3_serve.engine
+    validated: list[Any] = []
+    whole = engine._validated
+    monkeypatch.setattr(engine, "_validated", lambda endpoint, body: validated.append(body) or whole(endpoint, body))
+
+    kept = _seen([engine.post(Endpoint.CHAT, copy.deepcopy(body)) for body in bodies])
+    assert len(validated) == len(streams) + 1  # each stream's first call, and the edited one
+    assert kept[bodies.index(edited)][0] == 400
+    validated.clear()
+    monkeypatch.setattr(engine, "_keeps_stream_requests", lambda: False)
+    assert _seen([engine.post(Endpoint.CHAT, copy.deepcopy(body)) for body in bodies]) == kept
+    assert len(validated) == len(bodies)
 
 
 # --- known serve behaviour --------------------------------------------------------

@@ -329,7 +329,7 @@ class DerenderEngine(CodeAPI):
                         return answer
         # A stream's request is validated once, as in live mode, where a
         # stream's calls go on from the previous one (`replay.ReplayStreams`).
-        keeps = self.live or self.replay == "fast"
+        keeps = self._keeps_stream_requests()
         request = self._known_stream_request(endpoint, body) if keeps else None
         if request is None:
             checked = _materialized(body)
@@ -412,6 +412,12 @@ class DerenderEngine(CodeAPI):
             except Exception:  # noqa: BLE001 - the union answers it, as today
                 pass
         return self._bodies[endpoint].validate_python(body, from_attributes=True)
+
+    def _keeps_stream_requests(self) -> bool:
+        """Whether a stream's request is validated on its first call only
+        and reused by its later ones (`_known_stream_request`): where the
+        stream's calls go on from each other (live, the fast replay)."""
+        return self.live or self.replay == "fast"
 
     def _known_stream_request(self, endpoint: Endpoint, body: Any) -> Any:
         """A streaming body whose request and prompt are those of an earlier

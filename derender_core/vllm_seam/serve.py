@@ -101,6 +101,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import WINDOW, Answer, Endpoint, FramesAnswer, Script
+from . import versions
 from .answers import json_answer
 from .render import DerenderEngine, _finish, collector_paused
 from .renderer import RenderHalf
@@ -656,6 +657,17 @@ class ServeEngine(DerenderEngine):
 
     def prompt_matters(self, endpoint: Endpoint) -> bool:
         return False  # serve renders every request's prompt itself
+
+    def _keeps_stream_requests(self) -> bool:
+        # A stream's calls after its first feed only their chunk to serve
+        # (the request went to serve's handler once, from the raw body), so
+        # its request validates once, as on the live path: a later call
+        # whose request and prompt ids are the first call's validates only
+        # the rest. With the `requests` fast path off, every call is
+        # validated whole, as the derender endpoint validates it. (Serve's
+        # stack holds vLLM's own derenderer, so `_fast_paths` says no decode
+        # and no requests here: the release is asked directly.)
+        return versions.proven("requests")
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         if self._loop.is_running():
