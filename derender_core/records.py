@@ -345,6 +345,11 @@ def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
                 chunk += more
             lines = chunk.splitlines(keepends=True)
             if unfinished:
+                if len(lines) == 1 and not chunk.endswith((b"\n", b"\r")):
+                    # Still within a long line: joined once, when it ends,
+                    # not once per chunk (quadratic in its length).
+                    unfinished.append(chunk)
+                    continue
                 lines[0] = b"".join([*unfinished, lines[0]])
                 unfinished.clear()
             if not lines[-1].endswith((b"\n", b"\r")):
