@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -28,6 +30,7 @@ from .lax import read_int, requested_choices, streaming
 from .protocol import Endpoint
 
 _RESPONSE_KEYS = ("generate_response", "generate_responses")
+_TOKEN_ID = itemgetter("token_id")
 
 
 class _Found(Exception):
@@ -258,8 +261,8 @@ class _Checker:
         # The common case, every id good, without a call per id; the walk
         # below finds the field to name.
         try:
-            ids = [entry["token_id"] for entry in content]
-            ids += [top["token_id"] for entry in content for top in entry.get("top_logprobs") or ()]
+            ids = list(map(_TOKEN_ID, content))
+            ids += map(_TOKEN_ID, chain.from_iterable([entry.get("top_logprobs") or () for entry in content]))
         except (TypeError, KeyError, AttributeError):
             ids = []
         if ids and self.all_good(ids, negatives_checked_by_vllm=False):
