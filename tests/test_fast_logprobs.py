@@ -166,10 +166,9 @@ def test_the_written_logprobs_are_vllms(engine: DerenderEngine, data: Any) -> No
         return _written(resolved), _written(completion)
 
     def fast() -> tuple[str | None, str | None]:
-        return (
-            raw_logprobs.chat_json(derenderer.fragments, usual, top_limit),
-            raw_logprobs.completion_json(derenderer.fragments, usual, top_limit),
-        )
+        chat = raw_logprobs.chat_json(derenderer.fragments, usual, top_limit)
+        completion = raw_logprobs.completion_json(derenderer.fragments, usual, top_limit)
+        return (None if chat is None else chat.decode(), None if completion is None else completion.decode())
 
     got, want = outcome(fast), outcome(reference)
     if got[0] == "returned" and want[0] == "returned" and got[1][1] is None:
@@ -358,3 +357,74 @@ def test_spelled_ids_decode_as_the_tokenizer(engine: DerenderEngine, data: Any) 
     event("spelled" if spelled is not None else "left to the tokenizer")
     if spelled is not None:
         assert b"".join(spelled).decode("utf-8", "replace") == derenderer.table._decoding.uncached(sequence)
+
+
+LOGPROB_LIKE = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(-1e-3, 0),
+    st.floats(-40, 0, width=32),
+    st.integers(-30, 30).flatmap(lambda exponent: st.floats(-(10.0**exponent), 0)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(values=st.lists(LOGPROB_LIKE, max_size=40))
+def test_floats_are_written_as_json_dumps_writes_them(values: list[float]) -> None:
+    """The written floats (orjson's, mended where it writes them apart from
+    ``repr``) are the response's ``json.dumps`` of them, byte for byte:
+    exponent -5, one-digit exponents, -0.0, subnormals, the largest."""
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+
+    values += raw_logprobs._FLOAT_PROBES
+    want = json.dumps(values, separators=(",", ":")).encode()
+    assert raw_logprobs.floats_json(values) == want
+    if raw_logprobs.floats_json is raw_logprobs._orjson_floats:
+        event("orjson, mended")
+    assert raw_logprobs._float_texts(values) == [repr(value).encode().decode() for value in values]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_corrections_are_vllms(engine: DerenderEngine, data: Any) -> None:
+    """A byte or cut piece after drawn sampled ids of every kind, as the
+    sampled id and as a candidate: the token `_corrections` gives it,
+    with or without a decode (``""`` at the first position, for a
+    `settled` id, and for a `trailing` one after an id ending in ASCII),
+    is vLLM's own ``_correct_decoded_token``'s."""
+    from vllm.renderers.online_derenderer import _correct_decoded_token
+
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+
+    derenderer = engine._serving.online_derenderer
+    fragments = derenderer.fragments
+    if fragments is None:
+        pytest.skip("this tokenizer runs vLLM's own path: there is no fast path to compare")
+    pools = _pools(derenderer)
+    kinds = st.sampled_from(["ordinary", "ordinary", "special", "byte", "byte", "cut", "oov"])
+    element = kinds.flatmap(lambda kind: st.sampled_from(pools[kind]) if pools[kind] else st.nothing())
+    # The ids the structural check takes (`logprobs._ID_BOUND`).
+    taken = element.filter(lambda token_id: 0 <= token_id < raw_logprobs._ID_BOUND)
+    context = data.draw(st.lists(taken, max_size=6), label="context")
+    pieces = pools["byte"] + pools["cut"]
+    if not pieces:
+        pytest.skip("no byte or cut pieces")
+    token_id = data.draw(st.sampled_from(pieces), label="token_id")
+    ids = [*context, token_id]
+    ends = [0] * len(ids) + [1]  # one candidate, at the last position
+    fragments.learn(ids, [token_id], ends)
+    if token_id not in fragments.corrected:
+        event("not corrected")
+        return
+    kind = (
+        "first" if not context
+        else "settled" if token_id in fragments.settled
+        else "trailing after ASCII" if token_id in fragments.trailing and context[-1] in fragments.ascii_ended
+        else "decoded"
+    )  # fmt: skip
+    event(kind)
+    keys, candidate_keys = raw_logprobs._corrections(fragments, ids, [token_id], ends)
+    want = _correct_decoded_token(token_id, context, derenderer.tokenizer)
+    assert fragments.token[keys[-1]] == want, (context, token_id)
+    assert fragments.token[candidate_keys[0]] == want, (context, token_id)
+    written = ',"bytes":' + json.dumps(list(want.encode("utf-8")), separators=(",", ":")) + "},"
+    assert fragments.inner[keys[-1]] == fragments.inner[candidate_keys[0]] == written

@@ -20,15 +20,16 @@ from ..protocol import Answer, StreamAnswer, render_json, render_state
 
 
 def json_answer(
-    content: Any, status: int = 200, spliced: Sequence[str | None] = (), *, plain: bool = False
+    content: Any, status: int = 200, spliced: Sequence[str | bytes | None] = (), *, plain: bool = False
 ) -> Answer:
     """Serialize as the handlers' ``JSONResponse(content=...)`` does, so the
     bytes, and the failures on non-finite floats, match the server's.
 
-    `spliced` holds, per choice, the JSON of its ``logprobs`` where the
-    derenderer wrote it directly (`fast.FastDerenderer`): the choice carries
-    a placeholder string while the rest serialises, and the JSON takes the
-    placeholder's place, so the bytes are those the models would give.
+    `spliced` holds, per choice, the JSON of its ``logprobs`` (a string or
+    its UTF-8) where the derenderer wrote it directly
+    (`fast.FastDerenderer`): the choice carries a placeholder string while
+    the rest serialises, and the JSON takes the placeholder's place, so the
+    bytes are those the models would give.
 
     `plain` says the content came from a `plain_model` response: it holds
     only dicts with string keys, lists, strings, ints, bools and None, so
@@ -42,7 +43,8 @@ def json_answer(
     for index, rendered in enumerate(spliced):
         if rendered is not None:
             content["choices"][index]["logprobs"] = f"{_SPLICE_MARK}{index}"
-            marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), rendered.encode()))
+            written = rendered if type(rendered) is bytes else rendered.encode()  # type: ignore[union-attr]
+            marks.append((json.dumps(f"{_SPLICE_MARK}{index}").encode(), written))
     raw = plain_json(content) if plain else None
     if raw is None:
         from fastapi.responses import JSONResponse

@@ -539,7 +539,7 @@ class FastDerenderer(OnlineDerenderer):
         self.table = token_table(self.tokenizer)
         self.fragments = raw_logprobs.Fragments(self.table) if self.table is not None else None
         """The table's logprob fragments (`raw_logprobs.Fragments`)."""
-        self.spliced: list[str | None] = []
+        self.spliced: list[str | bytes | None] = []
         parsers.install()
         # vLLM hands each call to the renderer's executor (inline here,
         # `render._InlineExecutor`) and awaits it, which costs an event-loop
@@ -636,9 +636,9 @@ class FastDerenderer(OnlineDerenderer):
         generate_logprobs: Any,
         top_limit: int | None,
         options: dict[str, Any],
-        write_checked: Callable[..., str | None],
+        write_checked: Callable[..., bytes | None],
         render: Callable[[Any], str | None],
-    ) -> tuple[Any, str | None]:
+    ) -> tuple[Any, str | bytes | None]:
         """A choice's logprobs JSON (None where vLLM's models must fail as
         they do), and its logprobs as read for that: written from the body
         where the body was checked there (`raw_logprobs`), else validated

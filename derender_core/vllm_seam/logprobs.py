@@ -29,11 +29,14 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 from bisect import bisect_right
-from itertools import accumulate, chain, compress, count, repeat
-from operator import add, itemgetter
+from itertools import accumulate, chain, compress, count, islice, repeat
+from operator import itemgetter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import orjson
 from pydantic import PrivateAttr
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
 
@@ -162,34 +165,119 @@ def usual_content(logprobs: Any, max_model_len: int, max_logprobs: int) -> Usual
     return Usual(content, *sampled, tops, *candidates)
 
 
+class _ByCount(dict[int, tuple[dict[int, str], ...]]):
+    """Per number of kept candidates, the fragment table each entry of a
+    position takes its closing (or opening) from, made on first use."""
+
+    def __init__(self, make: Callable[[int], tuple[dict[int, str], ...]]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, count: int) -> tuple[dict[int, str], ...]:
+        made = self[count] = self._make(count)
+        return made
+
+
+def _wire(text: str) -> str:
+    """`text`'s UTF-8, each byte a character (latin-1): joined with others
+    of its kind and ASCII, one ``encode("latin-1")`` gives the UTF-8 of
+    the whole, and the join and that encode copy one byte a character,
+    where mixed text would be joined wide and encoded character by
+    character."""
+    return text.encode("utf-8").decode("latin-1")
+
+
 class Fragments:
     """Per id, the JSON around a logprob in ``ChatCompletionLogProb``'s
-    serialisation (`fast.Piece`'s fields), looked up by the list: made from
-    the table's `fast.TokenTable.logprob_piece`, once per id."""
+    serialisation (`Piece`'s fields) and its completion token, looked up
+    by the list: made from the table's `fast.TokenTable.logprob_piece`,
+    once per id. JSON fragments are kept as UTF-8 in latin-1 (`_wire`).
+
+    A piece vLLM corrects by context (`_corrections`) is looked up the same
+    way, by a negative key given per corrected token (`key_of`), so the
+    writing is the same lookups whatever was corrected."""
+
+    KEPT = 1 << 16
+    """Corrected tokens keyed at most, forgotten together past this."""
 
     def __init__(self, table: Any) -> None:
         self.table = table
         self.opening: dict[int, str] = {}
-        """``{"token":...,"logprob":`` per id."""
-        self.closing: dict[int, str] = {}
-        """``,"bytes":[...]`` per id (a position's, before its candidates)."""
-        self.closed: dict[int, str] = {}
-        """``,"bytes":[...]}`` per id (a candidate's)."""
+        """``{"token":...,"logprob":`` per key (as all but `token`, in
+        `_wire` form)."""
+        # A chat entry's ``,"bytes":[...]`` and what follows it: for a
+        # position's sampled entry, its candidates' list opened (or, with
+        # none kept, closed, and the position with it); for a candidate,
+        # its end (and, the position's last, the position's).
+        self.head: dict[int, str] = {}
+        self.alone: dict[int, str] = {}
+        self.inner: dict[int, str] = {}
+        self.last: dict[int, str] = {}
         self.token: dict[int, str] = {}
+        """The token per key (completion logprobs' text offsets)."""
         self.token_json: dict[int, str] = {}
-        """The token and its JSON string per id (completion logprobs)."""
+        """The token's JSON string per key."""
+        # A completion candidate's key: ``{"token":`` for a position's
+        # first, ``,"token":`` for the others.
+        self.first: dict[int, str] = {}
+        self.following: dict[int, str] = {}
+        self.chat_closings = _ByCount(self._chat_closings)
+        self.completion_openings = _ByCount(self._completion_openings)
         self.corrected: set[int] = set()
         """Ids whose piece ends in U+FFFD: vLLM corrects them by context."""
-        self.empty = Piece("", [])
-        """What vLLM's correction makes of "": ``bytes`` []."""
+        self.settled: set[int] = set()
+        """Corrected ids vLLM's correction makes "" of in any context
+        (`ByteLevelBytes.settled`)."""
+        self.trailing: set[int] = set()
+        """Corrected ids of continuation bytes alone, which it makes "" of
+        after an id ending in ASCII (`ByteLevelBytes.trailing`)."""
+        self.ascii_ended: set[int] = set()
+        """Ids spelled, their bytes ending in ASCII
+        (`ByteLevelBytes.ends_in_ascii`)."""
         self.byte_level = ByteLevelBytes(table) if ByteLevelBytes.applies(table) else None
+        self._corrected_keys: dict[str, int] = {}
+        self.empty = self.key_of("")
+        """The key of what vLLM's correction makes "" (``bytes`` [])."""
 
-    def learn(self, ids: list[int], kept_ids: list[int], ends: list[int], seen: set[int]) -> None:
-        """Make the fragments of the ids in `seen` not met before, in the
-        order vLLM decodes them (per position the sampled id, then the kept
+    def _tables(self) -> tuple[dict[int, str], ...]:
+        return (
+            self.opening, self.head, self.alone, self.inner, self.last,
+            self.token, self.token_json, self.first, self.following,
+        )  # fmt: skip
+
+    def _chat_closings(self, count: int) -> tuple[dict[int, str], ...]:
+        """A chat position's entries' closing tables, for `count` kept
+        candidates."""
+        return (self.alone,) if count == 0 else (self.head, *repeat(self.inner, count - 1), self.last)
+
+    def _completion_openings(self, count: int) -> tuple[dict[int, str], ...]:
+        """A completion position's candidates' key tables."""
+        return (self.first, *repeat(self.following, count - 1)) if count else ()
+
+    def key_of(self, token: str) -> int:
+        """The negative key of a corrected token (``bytes`` its UTF-8, as
+        vLLM writes a corrected one)."""
+        key = self._corrected_keys.get(token)
+        if key is None:
+            key = self._corrected_keys[token] = -1 - len(self._corrected_keys)
+            self._store(key, Piece(token, list(token.encode("utf-8"))))
+        return key
+
+    def forget_corrected(self) -> None:
+        """Drop the corrected tokens' keys past `KEPT` (between calls)."""
+        if len(self._corrected_keys) > self.KEPT:
+            for table in self._tables():
+                for key in self._corrected_keys.values():
+                    del table[key]
+            self._corrected_keys.clear()
+            self.empty = self.key_of("")
+
+    def learn(self, ids: list[int], kept_ids: list[int], ends: list[int]) -> None:
+        """Make the fragments of the ids not met before, in the order vLLM
+        decodes them (per position the sampled id, then the kept
         candidates), so its one warning per id out of the vocabulary comes
         in its order."""
-        new = seen.difference(self.opening)
+        new = set(ids).union(kept_ids).difference(self.opening)
         if not new:
             return
         for position, token_id in enumerate(ids):
@@ -199,32 +287,44 @@ class Fragments:
 
     def _learn(self, token_id: int) -> None:
         piece = self.table.logprob_piece(token_id)
-        self.opening[token_id] = piece.fields_before
-        self.closing[token_id] = piece.fields_after
-        self.closed[token_id] = piece.fields_after + "}"
-        self.token[token_id] = piece.token
-        self.token_json[token_id] = piece.token_json
+        self._store(token_id, piece)
+        byte_level = self.byte_level
+        if byte_level is not None and byte_level.ends_in_ascii(token_id):
+            self.ascii_ended.add(token_id)
         if piece.needs_correction:
             self.corrected.add(token_id)
+            if byte_level is not None and byte_level.settled(token_id):
+                self.settled.add(token_id)
+            elif byte_level is not None and byte_level.trailing(token_id):
+                self.trailing.add(token_id)
+
+    def _store(self, key: int, piece: Piece) -> None:
+        closing, token_json = _wire(piece.fields_after), _wire(piece.token_json)
+        self.opening[key] = _wire(piece.fields_before)
+        self.head[key] = closing + ',"top_logprobs":['
+        self.alone[key] = closing + ',"top_logprobs":[]},'
+        self.inner[key] = closing + "},"
+        self.last[key] = closing + "}]},"
+        self.token[key] = piece.token
+        self.token_json[key] = token_json
+        self.first[key] = "{" + token_json + ":"
+        self.following[key] = "," + token_json + ":"
 
 
 class _Kept(NamedTuple):
-    """One choice's positions after the endpoint's cut, their fragments
-    made (`_kept`)."""
+    """One choice's positions after the endpoint's cut, as fragment keys:
+    ids, or where vLLM corrects a piece by context, its corrected key
+    (`_corrections`)."""
 
-    ids: list[int]
+    keys: list[int]
     logprobs: list[float]
-    counts: set[int]
-    """The numbers of candidates kept per position, as a set."""
-    candidate_ids: list[int]
+    counts: list[int]
+    """The number of candidates kept per position."""
+    candidate_keys: list[int]
     candidate_logprobs: list[float]
     ends: list[int]
     """Where each position's kept candidates end in the flat lists (after
     a leading 0)."""
-    sampled_fixes: dict[int, Piece]
-    candidate_fixes: dict[int, Piece]
-    """Per position, and per flat candidate, the piece vLLM corrects by
-    context where it does (`_corrections`)."""
 
 
 def _kept(fragments: Fragments, usual: Usual, top_limit: int | None) -> _Kept | None:
@@ -232,128 +332,244 @@ def _kept(fragments: Fragments, usual: Usual, top_limit: int | None) -> _Kept | 
     as ``_resolve_logprobs`` keeps them, with the pieces it corrects; None
     if a logprob kept is not finite (the response cannot be written)."""
     ids, logprobs, tops = usual.ids, usual.logprobs, usual.tops
-    counts = set(map(len, tops))
+    counts = list(map(len, tops))
     if top_limit is None or not counts or max(counts) <= top_limit:
-        kept, kept_ids, kept_logprobs = tops, usual.candidate_ids, usual.candidate_logprobs
+        kept_ids, kept_logprobs = usual.candidate_ids, usual.candidate_logprobs
+    elif top_limit == 0:
+        counts, kept_ids, kept_logprobs = [0] * len(counts), [], []
     else:
-        kept = list(map(itemgetter(slice(0, top_limit)), tops))
-        counts = set(map(len, kept))
-        candidates = list(chain.from_iterable(kept))
+        counts = list(map(min, counts, repeat(top_limit)))
+        candidates = list(chain.from_iterable(map(itemgetter(slice(0, top_limit)), tops)))
         kept_ids = list(map(_token_ids, candidates))
         kept_logprobs = list(map(_logprobs, candidates))
     if not math.isfinite(sum(logprobs) + sum(kept_logprobs)):
         return None
-    ends = list(accumulate(map(len, kept), initial=0))
-    seen = set(ids)
-    seen.update(kept_ids)
-    fragments.learn(ids, kept_ids, ends, seen)
-    fixes: tuple[dict[int, Piece], dict[int, Piece]] = ({}, {})
-    if not fragments.corrected.isdisjoint(seen):
-        fixes = _corrections(fragments, ids, kept_ids, ends)
-    return _Kept(ids, logprobs, counts, kept_ids, kept_logprobs, ends, *fixes)
+    ends = list(accumulate(counts, initial=0))
+    known = fragments.opening.__contains__
+    if not (all(map(known, ids)) and all(map(known, kept_ids))):
+        fragments.learn(ids, kept_ids, ends)
+    fragments.forget_corrected()
+    keys, kept_keys = ids, kept_ids
+    corrected = fragments.corrected
+    if not (corrected.isdisjoint(ids) and corrected.isdisjoint(kept_ids)):
+        keys, kept_keys = _corrections(fragments, ids, kept_ids, ends)
+    return _Kept(keys, logprobs, counts, kept_keys, kept_logprobs, ends)
 
 
-def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> str | None:
+_FIVE_DIGITS = re.compile(rb"0\.0000(?<=[-,\[]0\.0000)([1-9])(\d+)")
+_FIVE_DIGIT = re.compile(rb"0\.0000(?<=[-,\[]0\.0000)([1-9])(?!\d)")
+_ONE_DIGIT_EXPONENT = re.compile(rb"e-(\d)(?!\d)")
+
+
+def _orjson_floats(values: list[float]) -> bytes:
+    """orjson's list of finite floats, mended where it writes them apart
+    from ``repr``: both write the shortest digits that round-trip, but
+    orjson writes exponent -5 positionally (``0.000015`` for ``1.5e-05``)
+    and a one-digit negative exponent unpadded (``1e-7`` for ``1e-07``).
+    Every number in the list starts after ``[``, ``,`` or ``-``, so a
+    ``0.0000`` there begins one."""
+    raw = orjson.dumps(values)
+    if b"0.0000" in raw:
+        raw = _FIVE_DIGIT.sub(rb"\1e-05", _FIVE_DIGITS.sub(rb"\1.\2e-05", raw))
+    if b"e-" in raw:
+        raw = _ONE_DIGIT_EXPONENT.sub(rb"e-0\1", raw)
+    return raw
+
+
+def _repr_floats(values: list[float]) -> bytes:
+    return ("[" + ",".join(map(repr, values)) + "]").encode()
+
+
+_FLOAT_PROBES = [
+    -0.0, 0.0, -1.0, -0.5, -1e-05, -1.5e-05, -1e-06, -2.5e-07, -3.5762786865234375e-07, -0.0001, -0.00012,
+    -9.999999999999999e-05, -1e-10, -1.2e-100, -5e-324, -2.2250738585072014e-308, -1e15, -9999999999999998.0,
+    -1e16, -1.5e16, -1.2345678901234568e17, -1e22, -1.7976931348623157e308, -0.1, -0.3, -2.0 / 3, -123.456,
+    -1e-5 / 3, -9.5367431640625e-07, -0.000999, 1.5, 1e-05, 1e16,
+]  # fmt: skip
+
+floats_json = _orjson_floats if _orjson_floats(_FLOAT_PROBES) == _repr_floats(_FLOAT_PROBES) else _repr_floats
+"""The JSON list of finite floats, each as ``json.dumps`` writes it (its
+``repr``): orjson's, mended (`_orjson_floats`), where it writes the probes
+as ``repr`` does, else by ``repr`` itself (an orjson that writes floats
+another way)."""
+
+
+def _float_texts(values: list[float]) -> list[str]:
+    """Each finite float's JSON (`floats_json`)."""
+    return floats_json(values)[1:-1].decode().split(",") if values else []
+
+
+def _grouped(items: list[Any], ends: list[int]) -> list[list[Any]]:
+    """The items of each position (`ends` as in `_Kept`)."""
+    return list(map(items.__getitem__, map(slice, ends, islice(ends, 1, None))))
+
+
+def _flat(heads: list[Any], groups: list[list[Any]]) -> list[Any]:
+    """Per position its head, then its group's items, flat."""
+    return list(chain.from_iterable(chain.from_iterable(zip(zip(heads), groups))))
+
+
+def _interleaved(heads: list[Any], items: list[Any], kept: _Kept, per: int = 1) -> list[Any]:
+    """Per position its head, then its kept candidates' items (`per` a
+    candidate, in order), flat: by strided slices where every position
+    kept as many, else position by position (`_flat`)."""
+    counts = kept.counts
+    width = per * counts[0] if counts else 0
+    if width == 0 and not items:
+        return heads
+    if counts.count(counts[0]) != len(counts):
+        return _flat(heads, _grouped(items, [per * end for end in kept.ends] if per != 1 else kept.ends))
+    merged = [None] * (len(heads) + len(items))
+    merged[0 :: width + 1] = heads
+    for j in range(width):
+        merged[j + 1 :: width + 1] = items[j::width]
+    return merged
+
+
+def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
     """``_resolve_logprobs``' ``ChatCompletionLogProbs`` for this checked
     content (`usual_content`), as the response's ``json.dumps`` writes it
-    (a float as its repr); None if a logprob is not finite (the response
-    then cannot be serialised, and vLLM's path words that error).
+    (a float as its repr), in UTF-8; None if a logprob is not finite (the
+    response then cannot be serialised, and vLLM's path words that error).
 
     Per position vLLM keeps the first `top_limit` candidates (all for
     None) and decodes the sampled id and each kept one on its own
     (`fast.TokenTable.logprob_piece`); a piece ending in U+FFFD is
     corrected by vLLM's own ``_correct_decoded_token`` with the sampled ids
-    before the position as context (`_corrections`)."""
+    before the position as context (`_corrections`).
+
+    Written as one join of three parts per entry (each position's sampled
+    one, then its candidates): its opening, its float, and its closing
+    from the table its place takes (`Fragments.chat_closings`), every
+    part list made in C."""
     kept = _kept(fragments, usual, top_limit)
     if kept is None:
         return None
-    ids, logprobs, kept_ids, kept_logprobs = kept.ids, kept.logprobs, kept.candidate_ids, kept.candidate_logprobs
-    # Each written as ``opening + repr(logprob) + closing``, list by list.
-    opening, closing, closed = fragments.opening.__getitem__, fragments.closing.__getitem__, fragments.closed.__getitem__
-    heads = list(map(add, map(add, map(opening, ids), map(repr, logprobs)), map(closing, ids)))
-    written = list(map(add, map(add, map(opening, kept_ids), map(repr, kept_logprobs)), map(closed, kept_ids)))
-    for position, piece in kept.sampled_fixes.items():
-        heads[position] = piece.fields_before + repr(logprobs[position]) + piece.fields_after
-    for k, piece in kept.candidate_fixes.items():
-        written[k] = piece.fields_before + repr(kept_logprobs[k]) + piece.fields_after + "}"
-    counts = kept.counts
-    if counts <= {0}:
-        positions: Any = map(add, heads, repeat(',"top_logprobs":[]}'))
-    elif len(counts) == 1:  # as many candidates everywhere: grouped in C
-        groups = map(",".join, zip(*[iter(written)] * next(iter(counts))))
-        positions = map(add, map(add, heads, repeat(',"top_logprobs":[')), map(add, groups, repeat("]}")))
-    else:
-        joined, ends = ",".join, kept.ends
-        positions = [
-            head + ',"top_logprobs":[' + joined(written[start:end]) + "]}"
-            for head, start, end in zip(heads, ends, ends[1:])
-        ]
-    return '{"content":[' + ",".join(positions) + "]}"
+    if not kept.keys:
+        return b'{"content":[]}'
+    keys = _interleaved(kept.keys, kept.candidate_keys, kept)
+    parts: list[str] = [""] * (3 * len(keys))
+    parts[0::3] = map(fragments.opening.__getitem__, keys)
+    parts[1::3] = _float_texts(_interleaved(kept.logprobs, kept.candidate_logprobs, kept))
+    closings = chain.from_iterable(map(fragments.chat_closings.__getitem__, kept.counts))
+    parts[2::3] = map(dict.__getitem__, closings, keys)
+    parts[0] = '{"content":[' + parts[0]
+    parts[-1] = parts[-1][:-1] + "]}"  # the last position's comma
+    return "".join(parts).encode("latin-1")
 
 
-def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> str | None:
+def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
     """``_convert_chat_logprobs_to_completion_logprobs`` of
-    ``_resolve_logprobs``' answer for this checked content, as JSON (one
-    call's: text offsets from 0): parallel lists; a position generate gave
+    ``_resolve_logprobs``' answer for this checked content, as JSON in
+    UTF-8 (one call's: text offsets from 0): parallel lists; a position generate gave
     no candidates (before the cut) is null, others an object of the kept
     candidates keyed by token, a repeated token keeping its first place and
-    its last logprob, as a dict does. None if a logprob is not finite."""
+    its last logprob, as a dict does. None if a logprob is not finite.
+
+    The objects are written as one join: per kept candidate its key (with
+    ``{`` before a position's first, a comma before the others) and its
+    float; per position a head closing the one before and writing it whole
+    where it kept none."""
     kept = _kept(fragments, usual, top_limit)
     if kept is None:
         return None
-    ids, kept_ids = kept.ids, kept.candidate_ids
-    tokens = list(map(fragments.token.__getitem__, ids))
-    tokens_json = list(map(fragments.token_json.__getitem__, ids))
-    for position, piece in kept.sampled_fixes.items():
-        tokens[position], tokens_json[position] = piece.token, piece.token_json
-    keys = list(map(fragments.token.__getitem__, kept_ids))
-    values = map(add, repeat(":"), map(repr, kept.candidate_logprobs))
-    entries = list(map(add, map(fragments.token_json.__getitem__, kept_ids), values))  # '"token":logprob'
-    for k, piece in kept.candidate_fixes.items():
-        keys[k], entries[k] = piece.token, piece.token_json + ":" + repr(kept.candidate_logprobs[k])
-    offsets = list(accumulate(map(len, tokens), initial=0))
+    keys, counts, ends, candidate_keys = kept.keys, kept.counts, kept.ends, kept.candidate_keys
+    offsets = list(accumulate(map(len, map(fragments.token.__getitem__, keys)), initial=0))
     offsets.pop()
-    ends = kept.ends
-    objects = [
-        _candidates_object(keys, entries, start, end) if had else "null"
-        for had, start, end in zip(usual.tops, ends, ends[1:])
+    values = _float_texts(kept.candidate_logprobs)
+    items: list[str] = [""] * (2 * len(candidate_keys))
+    openings = chain.from_iterable(map(fragments.completion_openings.__getitem__, counts))
+    items[0::2] = map(dict.__getitem__, openings, candidate_keys)
+    items[1::2] = values
+    heads = [
+        ("}," if before else ",") + ("" if now else "{}" if had else "null")
+        for before, now, had in zip(chain((0,), counts), counts, usual.tops)
     ]
-    return (
-        '{"text_offset":[' + ",".join(map(str, offsets)) + '],"token_logprobs":[' + ",".join(map(repr, kept.logprobs))
-        + '],"tokens":[' + ",".join(tokens_json) + '],"top_logprobs":[' + ",".join(objects) + "]}"
-    )  # fmt: skip
+    if heads:
+        heads[0] = heads[0][1:]
+    tokens = list(map(fragments.token_json.__getitem__, candidate_keys))
+    repeats = list(compress(count(), map(operator.ne, map(len, map(set, _grouped(tokens, ends))), counts)))
+    if repeats:
+        groups = _grouped(items, [2 * end for end in ends])
+        for position in repeats:
+            groups[position] = _deduplicated(tokens, values, ends[position], ends[position + 1])
+        merged = _flat(heads, groups)
+    else:
+        merged = _interleaved(heads, items, kept, per=2)
+    objects = "".join(merged) + ("}" if counts and counts[-1] else "")
+    return b"".join((
+        b'{"text_offset":', orjson.dumps(offsets), b',"token_logprobs":', floats_json(kept.logprobs),
+        b',"tokens":[', ",".join(map(fragments.token_json.__getitem__, keys)).encode("latin-1"),
+        b'],"top_logprobs":[', objects.encode("latin-1"), b"]}",
+    ))  # fmt: skip
 
 
-def _candidates_object(keys: list[str], entries: list[str], start: int, end: int) -> str:
-    """One position's kept candidates as the dict vLLM builds of them
-    (``{token: logprob}``), written: where a token repeats, its first
+def _deduplicated(tokens: list[str], values: list[str], start: int, end: int) -> list[str]:
+    """One position's candidates as the dict vLLM builds of them
+    (``{token: logprob}``) writes them, where a token repeats: its first
     place and its last logprob."""
-    if len(set(keys[start:end])) == end - start:
-        return "{" + ",".join(entries[start:end]) + "}"
-    last = {keys[k]: k for k in range(start, end)}
-    return "{" + ",".join([entries[k] for k in last.values()]) + "}"
+    last = {tokens[k]: k for k in range(start, end)}
+    items = list(chain.from_iterable(("," + token + ":", values[k]) for token, k in last.items()))
+    items[0] = "{" + items[0][1:]
+    return items
 
 
 def _corrections(
     fragments: Fragments, ids: list[int], kept_ids: list[int], ends: list[int]
-) -> tuple[dict[int, Piece], dict[int, Piece]]:
-    """The pieces vLLM corrects by context (`fast.TokenTable._corrected`,
-    vLLM's rule, which reads at most the last 4 sampled ids before the
-    position): per position for its sampled id, and per flat candidate."""
+) -> tuple[list[int], list[int]]:
+    """The keys of the sampled ids and of the kept candidates, each piece
+    vLLM corrects by context (`fast.TokenTable._corrected`, vLLM's rule,
+    which reads at most the last 4 sampled ids before the position)
+    replaced by its corrected key (`Fragments.key_of`).
+
+    Where vLLM's answer is known without a decode, it is taken so: at the
+    first position (no context: vLLM tries nothing and answers ""), and
+    for the ids `Fragments` knows it makes "" of (`settled` anywhere,
+    `trailing` after an id in `ascii_ended`). Otherwise the decodes run
+    (`_corrected`), with the context's bytes made once per position."""
     contains = fragments.corrected.__contains__
-    sampled = {}
+    keys, kept_keys = list(ids), list(kept_ids)
+    contexts: dict[int, tuple[list[int], list[bytes] | None]] = {}
     for position in compress(count(), map(contains, ids)):
+        keys[position] = _corrected_key(fragments, ids, position, ids[position], contexts)
+    fixed = list(compress(count(), map(contains, kept_ids)))  # in order: a position's candidates together
+    if not fixed:
+        return keys, kept_keys
+    # The position whose candidates hold each, and whether "" is known.
+    positions = list(map(operator.sub, map(bisect_right, repeat(ends), fixed), repeat(1)))
+    fixed_ids = list(map(kept_ids.__getitem__, fixed))
+    first_or_after_ascii = [True, *map(fragments.ascii_ended.__contains__, ids)]
+    trailing_known = map(
+        operator.and_, map(fragments.trailing.__contains__, fixed_ids), map(first_or_after_ascii.__getitem__, positions)
+    )
+    known = list(map(operator.or_, map(fragments.settled.__contains__, fixed_ids), trailing_known))
+    empty = fragments.empty
+    for k in compress(fixed, known):
+        kept_keys[k] = empty
+    for k, position, token_id in compress(zip(fixed, positions, fixed_ids), map(operator.not_, known)):
+        kept_keys[k] = _corrected_key(fragments, ids, position, token_id, contexts)
+    return keys, kept_keys
+
+
+def _corrected_key(
+    fragments: Fragments,
+    ids: list[int],
+    position: int,
+    token_id: int,
+    contexts: dict[int, tuple[list[int], list[bytes] | None]],
+) -> int:
+    """The key of vLLM's correction of `token_id` at `position` (see
+    `_corrections`); `contexts` keeps each position's context and its
+    suffixes' bytes for the call."""
+    if position == 0 or token_id in fragments.settled:
+        return fragments.empty
+    if token_id in fragments.trailing and ids[position - 1] in fragments.ascii_ended:
+        return fragments.empty
+    known = contexts.get(position)
+    if known is None:
         context = ids[max(position - 4, 0) : position]
-        sampled[position] = _corrected(fragments, ids[position], context, _suffixes(fragments, context))
-    candidates = {}
-    last, context, suffixes = -1, [], None
-    for k in compress(count(), map(contains, kept_ids)):  # in order: a position's candidates together
-        position = bisect_right(ends, k) - 1  # the position whose candidates hold k
-        if position != last:
-            last, context = position, ids[max(position - 4, 0) : position]
-            suffixes = _suffixes(fragments, context)
-        candidates[k] = _corrected(fragments, kept_ids[k], context, suffixes)
-    return sampled, candidates
+        known = contexts[position] = (context, _suffixes(fragments, context))
+    return fragments.key_of(_corrected(fragments, token_id, *known))
 
 
 def _suffixes(fragments: Fragments, context: list[int]) -> list[bytes] | None:
@@ -372,7 +588,7 @@ def _suffixes(fragments: Fragments, context: list[int]) -> list[bytes] | None:
     return suffixes
 
 
-def _corrected(fragments: Fragments, token_id: int, context: list[int], suffixes: list[bytes] | None) -> Piece:
+def _corrected(fragments: Fragments, token_id: int, context: list[int], suffixes: list[bytes] | None) -> str:
     """vLLM's ``_correct_decoded_token`` for a piece ending in U+FFFD
     (`fast.TokenTable._corrected`), its usual answer found first: for
     each context length it tries (1 up to 4 sampled ids), it decodes the
@@ -387,13 +603,13 @@ def _corrected(fragments: Fragments, token_id: int, context: list[int], suffixes
         tail = own[0]
         for head in suffixes:  # type: ignore[union-attr]
             if not (head + tail).decode("utf-8", "replace").endswith(_REPLACEMENT):
-                return table._corrected(token_id, context)
-        return fragments.empty
+                return table._corrected(token_id, context).token  # type: ignore[no-any-return]
+        return ""
     decode = table._decoding.uncached
     for length in range(1, len(context) + 1):
         if not decode(context[-length:] + [token_id]).endswith(_REPLACEMENT):
-            return table._corrected(token_id, context)
-    return fragments.empty
+            return table._corrected(token_id, context).token  # type: ignore[no-any-return]
+    return ""
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -453,6 +669,34 @@ class ByteLevelBytes:
                     spelled = raw
         self._bytes[token_id] = spelled
         return spelled
+
+    def settled(self, token_id: int) -> bool:
+        """Whether vLLM's correction makes "" of this id in any context: it
+        is spelled, its bytes decode alone to a text ending in U+FFFD, and
+        one of them is not a continuation byte (10xxxxxx). UTF-8 decoding
+        starts afresh at such a byte whatever came before (a sequence
+        under way ends there, as an error), so the text of any ids ending
+        in this one ends as this one's does: every decode the correction
+        tries ends in U+FFFD."""
+        spelled = self.spelled([token_id])
+        if spelled is None:
+            return False
+        raw = spelled[0]
+        fresh = any(byte < 0x80 or byte >= 0xC0 for byte in raw)
+        return fresh and raw.decode("utf-8", "replace").endswith(_REPLACEMENT)
+
+    def trailing(self, token_id: int) -> bool:
+        """Whether this id is spelled as continuation bytes alone. After an
+        id whose bytes end in ASCII (`ends_in_ascii`), each such byte is an
+        error of its own, so every decode the correction tries, its
+        context ending in that id, ends in U+FFFD: vLLM makes "" of it."""
+        spelled = self.spelled([token_id])
+        return spelled is not None and bool(spelled[0]) and all(0x80 <= byte < 0xC0 for byte in spelled[0])
+
+    def ends_in_ascii(self, token_id: int) -> bool:
+        """Whether this id is spelled, its bytes ending in ASCII."""
+        spelled = self.spelled([token_id])
+        return spelled is not None and bool(spelled[0]) and spelled[0][-1] < 0x80
 
 
 def carried(body: dict[str, Any], serving: Any) -> dict[str, Any]:
