@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from itertools import chain
+from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any
 
@@ -259,10 +259,11 @@ class _Checker:
         if not isinstance(content, list):
             return
         # The common case, every id good, without a call per id; the walk
-        # below finds the field to name.
+        # below finds the field to name, and reads what this does not (an
+        # entry not a dict, top_logprobs null).
         try:
             ids = list(map(_TOKEN_ID, content))
-            ids += map(_TOKEN_ID, chain.from_iterable([entry.get("top_logprobs") or () for entry in content]))
+            ids += map(_TOKEN_ID, chain.from_iterable(map(dict.get, content, repeat("top_logprobs"), repeat(()))))
         except (TypeError, KeyError, AttributeError):
             ids = []
         if ids and self.all_good(ids, negatives_checked_by_vllm=False):
