@@ -410,8 +410,12 @@ def test_corrections_are_vllms(engine: DerenderEngine, data: Any) -> None:
         pytest.skip("no byte or cut pieces")
     token_id = data.draw(st.sampled_from(pieces), label="token_id")
     ids = [*context, token_id]
-    ends = [0] * len(ids) + [1]  # one candidate, at the last position
-    fragments.learn(ids, [token_id], ends)
+    # The piece as the one candidate of the last position, or of every
+    # position (candidates in a column: `width` 1).
+    every = data.draw(st.booleans(), label="a candidate at every position")
+    candidates = [token_id] * len(ids) if every else [token_id]
+    ends = list(range(len(ids) + 1)) if every else [0] * len(ids) + [1]
+    fragments.learn(ids, candidates, ends)
     if token_id not in fragments.corrected:
         event("not corrected")
         return
@@ -422,9 +426,15 @@ def test_corrections_are_vllms(engine: DerenderEngine, data: Any) -> None:
         else "decoded"
     )  # fmt: skip
     event(kind)
-    keys, candidate_keys = raw_logprobs._corrections(fragments, ids, [token_id], ends)
-    want = _correct_decoded_token(token_id, context, derenderer.tokenizer)
-    assert fragments.token[keys[-1]] == want, (context, token_id)
-    assert fragments.token[candidate_keys[0]] == want, (context, token_id)
-    written = ',"bytes":' + json.dumps(list(want.encode("utf-8")), separators=(",", ":")) + "},"
-    assert fragments.inner[keys[-1]] == fragments.inner[candidate_keys[0]] == written
+    keys, candidate_keys = raw_logprobs._corrections(fragments, ids, candidates, ends, 1 if every else None)
+    tokenizer = derenderer.tokenizer
+    for position in range(len(ids)) if every else [len(context)]:
+        want = _correct_decoded_token(token_id, ids[:position], tokenizer)
+        key = candidate_keys[position if every else 0]
+        written = ',"bytes":' + json.dumps(list(want.encode("utf-8")), separators=(",", ":")) + "},"
+        assert (fragments.token[key], fragments.inner[key]) == (want, written), (ids, position)
+        sampled = ids[position]
+        if sampled in fragments.corrected:
+            assert fragments.token[keys[position]] == _correct_decoded_token(sampled, ids[:position], tokenizer)
+        else:
+            assert keys[position] == sampled

@@ -325,12 +325,19 @@ class _Kept(NamedTuple):
     ends: list[int]
     """Where each position's kept candidates end in the flat lists (after
     a leading 0)."""
+    width: int | None
+    """The number every position kept, where they kept as many (the
+    candidates then stand in columns: the j-th of each, every width-th)."""
 
 
-def _kept(fragments: Fragments, usual: Usual, top_limit: int | None) -> _Kept | None:
+def _kept(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> _Kept | None:
     """The first `top_limit` candidates of each position (all for None),
     as ``_resolve_logprobs`` keeps them, with the pieces it corrects; None
-    if a logprob kept is not finite (the response cannot be written)."""
+    if a logprob kept is not finite (the response cannot be written).
+
+    With `learn`, the fragments of ids not met before are made first;
+    without, such an id is left for the writer's lookup to raise KeyError
+    on (`_learning`), which saves a pass over the ids where all are known."""
     ids, logprobs, tops = usual.ids, usual.logprobs, usual.tops
     counts = list(map(len, tops))
     if top_limit is None or not counts or max(counts) <= top_limit:
@@ -345,15 +352,16 @@ def _kept(fragments: Fragments, usual: Usual, top_limit: int | None) -> _Kept | 
     if not math.isfinite(sum(logprobs) + sum(kept_logprobs)):
         return None
     ends = list(accumulate(counts, initial=0))
+    width = counts[0] if counts and counts.count(counts[0]) == len(counts) else None
     known = fragments.opening.__contains__
-    if not (all(map(known, ids)) and all(map(known, kept_ids))):
+    if learn and not (all(map(known, ids)) and all(map(known, kept_ids))):
         fragments.learn(ids, kept_ids, ends)
     fragments.forget_corrected()
     keys, kept_keys = ids, kept_ids
     corrected = fragments.corrected
     if not (corrected.isdisjoint(ids) and corrected.isdisjoint(kept_ids)):
-        keys, kept_keys = _corrections(fragments, ids, kept_ids, ends)
-    return _Kept(keys, logprobs, counts, kept_keys, kept_logprobs, ends)
+        keys, kept_keys = _corrections(fragments, ids, kept_ids, ends, width)
+    return _Kept(keys, logprobs, counts, kept_keys, kept_logprobs, ends, width)
 
 
 _FIVE_DIGITS = re.compile(rb"0\.0000(?<=[-,\[]0\.0000)([1-9])(\d+)")
@@ -409,23 +417,6 @@ def _flat(heads: list[Any], groups: list[list[Any]]) -> list[Any]:
     return list(chain.from_iterable(chain.from_iterable(zip(zip(heads), groups))))
 
 
-def _interleaved(heads: list[Any], items: list[Any], kept: _Kept, per: int = 1) -> list[Any]:
-    """Per position its head, then its kept candidates' items (`per` a
-    candidate, in order), flat: by strided slices where every position
-    kept as many, else position by position (`_flat`)."""
-    counts = kept.counts
-    width = per * counts[0] if counts else 0
-    if width == 0 and not items:
-        return heads
-    if counts.count(counts[0]) != len(counts):
-        return _flat(heads, _grouped(items, [per * end for end in kept.ends] if per != 1 else kept.ends))
-    merged = [None] * (len(heads) + len(items))
-    merged[0 :: width + 1] = heads
-    for j in range(width):
-        merged[j + 1 :: width + 1] = items[j::width]
-    return merged
-
-
 def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
     """``_resolve_logprobs``' ``ChatCompletionLogProbs`` for this checked
     content (`usual_content`), as the response's ``json.dumps`` writes it
@@ -440,22 +431,68 @@ def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> byte
 
     Written as one join of three parts per entry (each position's sampled
     one, then its candidates): its opening, its float, and its closing
-    from the table its place takes (`Fragments.chat_closings`), every
-    part list made in C."""
-    kept = _kept(fragments, usual, top_limit)
+    from the table its place takes, every part list made in C
+    (`_chat_columns`, `_chat_entries`)."""
+    return _learning(_chat_json, fragments, usual, top_limit)
+
+
+def _learning(
+    write: Callable[[Fragments, Usual, int | None, bool], bytes | None],
+    fragments: Fragments,
+    usual: Usual,
+    top_limit: int | None,
+) -> bytes | None:
+    """`write` as if every id were known; where one is not (its lookup
+    raised KeyError, `_kept`), again, the fragments of all made first, in
+    vLLM's order. The first try has made nothing but corrected keys."""
+    try:
+        return write(fragments, usual, top_limit, False)
+    except KeyError:
+        return write(fragments, usual, top_limit, True)
+
+
+def _chat_json(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> bytes | None:
+    kept = _kept(fragments, usual, top_limit, learn)
     if kept is None:
         return None
     if not kept.keys:
         return b'{"content":[]}'
-    keys = _interleaved(kept.keys, kept.candidate_keys, kept)
-    parts: list[str] = [""] * (3 * len(keys))
-    parts[0::3] = map(fragments.opening.__getitem__, keys)
-    parts[1::3] = _float_texts(_interleaved(kept.logprobs, kept.candidate_logprobs, kept))
-    closings = chain.from_iterable(map(fragments.chat_closings.__getitem__, kept.counts))
-    parts[2::3] = map(dict.__getitem__, closings, keys)
+    parts = _chat_columns(fragments, kept, kept.width) if kept.width is not None else _chat_entries(fragments, kept)
     parts[0] = '{"content":[' + parts[0]
     parts[-1] = parts[-1][:-1] + "]}"  # the last position's comma
     return "".join(parts).encode("latin-1")
+
+
+def _chat_columns(fragments: Fragments, kept: _Kept, width: int) -> list[str]:
+    """`chat_json`'s parts where every position kept `width` candidates:
+    the sampled entries, then each column of candidates, put in place by
+    strided slices."""
+    opening = fragments.opening.__getitem__
+    step = 3 * (width + 1)
+    parts: list[str] = [""] * (step * len(kept.keys))
+    parts[0::step] = map(opening, kept.keys)
+    parts[1::step] = _float_texts(kept.logprobs)
+    parts[2::step] = map((fragments.head if width else fragments.alone).__getitem__, kept.keys)
+    values = _float_texts(kept.candidate_logprobs)
+    for j in range(width):
+        column, start = kept.candidate_keys[j::width], 3 * (j + 1)
+        parts[start::step] = map(opening, column)
+        parts[start + 1 :: step] = values[j::width]
+        parts[start + 2 :: step] = map((fragments.inner if j < width - 1 else fragments.last).__getitem__, column)
+    return parts
+
+
+def _chat_entries(fragments: Fragments, kept: _Kept) -> list[str]:
+    """`chat_json`'s parts where positions kept different numbers of
+    candidates: the entries in order, each taking its closing from the
+    table its place takes (`Fragments.chat_closings`)."""
+    keys = _flat(kept.keys, _grouped(kept.candidate_keys, kept.ends))
+    parts: list[str] = [""] * (3 * len(keys))
+    parts[0::3] = map(fragments.opening.__getitem__, keys)
+    parts[1::3] = _float_texts(_flat(kept.logprobs, _grouped(kept.candidate_logprobs, kept.ends)))
+    closings = chain.from_iterable(map(fragments.chat_closings.__getitem__, kept.counts))
+    parts[2::3] = map(dict.__getitem__, closings, keys)
+    return parts
 
 
 def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
@@ -470,32 +507,47 @@ def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -
     ``{`` before a position's first, a comma before the others) and its
     float; per position a head closing the one before and writing it whole
     where it kept none."""
-    kept = _kept(fragments, usual, top_limit)
+    return _learning(_completion_json, fragments, usual, top_limit)
+
+
+def _completion_json(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> bytes | None:
+    kept = _kept(fragments, usual, top_limit, learn)
     if kept is None:
         return None
     keys, counts, ends, candidate_keys = kept.keys, kept.counts, kept.ends, kept.candidate_keys
     offsets = list(accumulate(map(len, map(fragments.token.__getitem__, keys)), initial=0))
     offsets.pop()
-    values = _float_texts(kept.candidate_logprobs)
-    items: list[str] = [""] * (2 * len(candidate_keys))
-    openings = chain.from_iterable(map(fragments.completion_openings.__getitem__, counts))
-    items[0::2] = map(dict.__getitem__, openings, candidate_keys)
-    items[1::2] = values
     heads = [
         ("}," if before else ",") + ("" if now else "{}" if had else "null")
         for before, now, had in zip(chain((0,), counts), counts, usual.tops)
     ]
     if heads:
         heads[0] = heads[0][1:]
+    values = _float_texts(kept.candidate_logprobs)
     tokens = list(map(fragments.token_json.__getitem__, candidate_keys))
-    repeats = list(compress(count(), map(operator.ne, map(len, map(set, _grouped(tokens, ends))), counts)))
-    if repeats:
+    width = kept.width
+    groups_of_tokens: Any = zip(*[iter(tokens)] * width) if width else _grouped(tokens, ends)
+    repeats = list(compress(count(), map(operator.ne, map(len, map(set, groups_of_tokens)), counts)))
+    if width:  # in columns, as in `_chat_columns`; a repeat's place padded
+        step = 2 * width + 1
+        merged: list[str] = [""] * (step * len(keys))
+        merged[0::step] = heads
+        for j in range(width):
+            table = fragments.first if j == 0 else fragments.following
+            merged[2 * j + 1 :: step] = map(table.__getitem__, candidate_keys[j::width])
+            merged[2 * j + 2 :: step] = values[j::width]
+        for position in repeats:
+            items = _deduplicated(tokens, values, ends[position], ends[position + 1])
+            merged[position * step + 1 : (position + 1) * step] = items + [""] * (step - 1 - len(items))
+    else:
+        items: list[str] = [""] * (2 * len(candidate_keys))
+        openings = chain.from_iterable(map(fragments.completion_openings.__getitem__, counts))
+        items[0::2] = map(dict.__getitem__, openings, candidate_keys)
+        items[1::2] = values
         groups = _grouped(items, [2 * end for end in ends])
         for position in repeats:
             groups[position] = _deduplicated(tokens, values, ends[position], ends[position + 1])
         merged = _flat(heads, groups)
-    else:
-        merged = _interleaved(heads, items, kept, per=2)
     objects = "".join(merged) + ("}" if counts and counts[-1] else "")
     return b"".join((
         b'{"text_offset":', orjson.dumps(offsets), b',"token_logprobs":', floats_json(kept.logprobs),
@@ -515,7 +567,7 @@ def _deduplicated(tokens: list[str], values: list[str], start: int, end: int) ->
 
 
 def _corrections(
-    fragments: Fragments, ids: list[int], kept_ids: list[int], ends: list[int]
+    fragments: Fragments, ids: list[int], kept_ids: list[int], ends: list[int], width: int | None
 ) -> tuple[list[int], list[int]]:
     """The keys of the sampled ids and of the kept candidates, each piece
     vLLM corrects by context (`fast.TokenTable._corrected`, vLLM's rule,
@@ -536,7 +588,10 @@ def _corrections(
     if not fixed:
         return keys, kept_keys
     # The position whose candidates hold each, and whether "" is known.
-    positions = list(map(operator.sub, map(bisect_right, repeat(ends), fixed), repeat(1)))
+    if width:
+        positions = list(map(operator.floordiv, fixed, repeat(width)))
+    else:
+        positions = list(map(operator.sub, map(bisect_right, repeat(ends), fixed), repeat(1)))
     fixed_ids = list(map(kept_ids.__getitem__, fixed))
     first_or_after_ascii = [True, *map(fragments.ascii_ended.__contains__, ids)]
     trailing_known = map(
