@@ -101,14 +101,20 @@ def drawn_logprobs(data: Any, engine: DerenderEngine, *, max_size: int = 10) -> 
     if shape == 0:
         return data.draw(st.sampled_from([{}, {"content": None}, {"content": []}, {"content": [], "x": 1}, [], "x"]))
     content = []
+    # As many candidates everywhere (as the engine sends them) half the time.
+    same: int | None = None
+    uniform = data.draw(st.booleans(), label="as many candidates everywhere")
+    every = data.draw(st.sampled_from(["usual", "many"]), label="tops everywhere") if uniform else None
     for _ in range(data.draw(st.integers(0, max_size), label="positions")):
         entry = _candidate(data, ids, entry=True, odd=odd)
         if type(entry) is dict:
             shapes = ["usual", "usual", "usual", "absent", "empty", "many"] + (["none"] if odd else [])
-            tops = data.draw(st.sampled_from(shapes), label="tops")
+            tops = every or data.draw(st.sampled_from(shapes), label="tops")
             if tops in ("usual", "many"):
                 sampled = {k: v for k, v in entry.items() if k in ("token_id", "logprob", "rank")}
                 count = data.draw(st.integers(0, 5) if tops == "usual" else st.integers(19, 22), label="candidates")
+                if uniform:
+                    count = same = count if same is None else same
                 entry["top_logprobs"] = [sampled] + [_candidate(data, ids, entry=False, odd=odd) for _ in range(count)]
             elif tops == "empty":
                 entry["top_logprobs"] = []

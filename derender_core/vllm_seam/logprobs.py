@@ -344,6 +344,13 @@ def _kept(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool
         kept_ids, kept_logprobs = usual.candidate_ids, usual.candidate_logprobs
     elif top_limit == 0:
         counts, kept_ids, kept_logprobs = [0] * len(counts), [], []
+    elif counts.count(counts[0]) == len(counts):  # as many everywhere: the first columns
+        every = counts[0]
+        counts = [top_limit] * len(counts)
+        kept_ids, kept_logprobs = [0] * (top_limit * len(counts)), [0.0] * (top_limit * len(counts))
+        for j in range(top_limit):
+            kept_ids[j::top_limit] = usual.candidate_ids[j::every]
+            kept_logprobs[j::top_limit] = usual.candidate_logprobs[j::every]
     else:
         counts = list(map(min, counts, repeat(top_limit)))
         candidates = list(chain.from_iterable(map(itemgetter(slice(0, top_limit)), tops)))
