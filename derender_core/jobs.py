@@ -87,7 +87,7 @@ from .resume import (
     run_manifest,
     skip_answered,
 )
-from .workers import WorkerLost, WorkerPool, check_workers, usable_cpus
+from .workers import WorkerLost, WorkerPool, check_workers, freeze_for_fork, usable_cpus
 from .workers import _die_with_parent as die_with_parent
 from .writers import AssembledWriter, ErrorLog, JsonlWriter, SseWriter, Writer
 
@@ -1061,8 +1061,7 @@ class _ParityPool:
         for engine in {id(e): e for e in engines.values()}.values():
             engine.close()  # no event loop is shared with the children
         _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
-        gc.collect()
-        gc.freeze()
+        freeze_for_fork()
         context = multiprocessing.get_context("fork")
         self._pool = context.Pool(workers, initializer=_parity_worker_start, initargs=(os.getpid(),))
         _PARITY_WORKER.clear()

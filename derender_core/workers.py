@@ -133,6 +133,18 @@ class _Failed:
 _Wire = tuple[int, bytes | None, bytes | None, Any, bool, int, str | None, str | None, tuple[Any, ...]]
 
 
+def freeze_for_fork() -> None:
+    """Freeze every object built so far (`gc.freeze`) before children are
+    forked: their collector then never touches, and so never copies, the
+    parent's pages. Only the young generations are collected first. A full
+    pass over a long-lived process's heap (the warm server's, a library
+    user's, a test session's) cost more than a second a job, and buys
+    nothing: what is garbage in the old generation stays frozen only until
+    the pool's `close` unfreezes it, and is collected then."""
+    gc.collect(1)
+    gc.freeze()
+
+
 class WorkerPool:
     """N forked processes, each answering records with its own
     `RecordProcessor` over a copy of `engine`. One pool serves any number of
@@ -171,9 +183,8 @@ class WorkerPool:
         # new one when it is next used here.
         engine.close()
         # Objects built so far are never collected again, so the children
-        # do not copy the pages the collector would touch.
-        gc.collect()
-        gc.freeze()
+        # do not copy the pages the collector would touch (`freeze_for_fork`).
+        freeze_for_fork()
         self._processes = [
             _ForkProcess(
                 target=_work,
