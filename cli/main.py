@@ -249,8 +249,11 @@ render_app = typer.Typer(
 )
 
 
-render_app.command("chat")(
-    _one_shot_command(
+# The render server's other endpoints, a command each with its help.
+_RENDER_COMMANDS: list[tuple[typer.Typer, str, Endpoint, str]] = [
+    (
+        render_app,
+        "chat",
         Endpoint.RENDER_CHAT,
         """Render chat completion requests.
 
@@ -259,11 +262,10 @@ render_app.command("chat")(
         (prompt token_ids, sampling_params, ...), or the server's error, for
         input record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
-render_app.command("completion")(
-    _one_shot_command(
+    ),
+    (
+        render_app,
+        "completion",
         Endpoint.RENDER_COMPLETION,
         """Render completion requests.
 
@@ -272,11 +274,10 @@ render_app.command("completion")(
         GenerateRequests (one per prompt), or the server's error, for input
         record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
-render_app.command("messages")(
-    _one_shot_command(
+    ),
+    (
+        render_app,
+        "messages",
         Endpoint.RENDER_MESSAGES,
         """Render Anthropic Messages requests.
 
@@ -284,11 +285,10 @@ render_app.command("messages")(
         Anthropic Messages request). Output line i is the GenerateRequest, or
         the server's error, for input record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
-render_app.command("responses")(
-    _one_shot_command(
+    ),
+    (
+        render_app,
+        "responses",
         Endpoint.RENDER_RESPONSES,
         """Render OpenAI Responses requests.
 
@@ -296,12 +296,10 @@ render_app.command("responses")(
         OpenAI Responses request). Output line i is the GenerateRequest, or
         the server's error, for input record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
-app.add_typer(render_app)
-app.command("tokenize")(
-    _one_shot_command(
+    ),
+    (
+        app,
+        "tokenize",
         Endpoint.TOKENIZE,
         """Tokenize prompts or chats, as the render server's /tokenize does.
 
@@ -310,11 +308,10 @@ app.command("tokenize")(
         server's answer (tokens, count, max_model_len, token_strs), or its
         error, for input record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
-app.command("detokenize")(
-    _one_shot_command(
+    ),
+    (
+        app,
+        "detokenize",
         Endpoint.DETOKENIZE,
         """Detokenize token ids, as the render server's /detokenize does.
 
@@ -322,9 +319,11 @@ app.command("detokenize")(
         line i is the server's answer ({"prompt": text}), or its error, for
         input record i.
         """,
-        RENDER_JOB_OPTIONS,
-    )
-)
+    ),
+]
+for _owner, _name, _endpoint, _help in _RENDER_COMMANDS:
+    _owner.command(_name)(_one_shot_command(_endpoint, _help, RENDER_JOB_OPTIONS))
+app.add_typer(render_app)
 
 
 @app.command()
