@@ -1069,8 +1069,15 @@ class _ParityPool:
     def __enter__(self) -> _ParityPool:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._pool.terminate()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is None:
+            # Every examination is in: the workers end on the pool's own
+            # sentinels. `terminate` would signal them with SIGTERM, which a
+            # worker forked inside `interrupt.stop_on_signals` takes as a
+            # stop to note (its handler), and the join would wait for ever.
+            self._pool.close()
+        else:
+            self._pool.terminate()
         self._pool.join()
         gc.unfreeze()
 

@@ -342,7 +342,9 @@ class WorkerPool:
         for process in self._processes:
             process.join(timeout=max(deadline - time.monotonic(), 0.1))
             if process.is_alive():
-                process.terminate()
+                # SIGKILL: a worker forked inside `interrupt.stop_on_signals`
+                # keeps its handler, which takes a SIGTERM as a stop to note.
+                process.kill()
                 process.join()
         for inbox in self._inboxes:
             inbox.cancel_join_thread()
