@@ -250,76 +250,52 @@ render_app = typer.Typer(
 
 
 # The render server's other endpoints, a command each with its help.
-_RENDER_COMMANDS: list[tuple[typer.Typer, str, Endpoint, str]] = [
-    (
-        render_app,
-        "chat",
-        Endpoint.RENDER_CHAT,
-        """Render chat completion requests.
+_RENDER_CHAT_HELP = """Render chat completion requests.
 
         Each input line is the JSON body of POST /v1/chat/completions/render (an
         OpenAI chat completion request). Output line i is the GenerateRequest
         (prompt token_ids, sampling_params, ...), or the server's error, for
         input record i.
-        """,
-    ),
-    (
-        render_app,
-        "completion",
-        Endpoint.RENDER_COMPLETION,
-        """Render completion requests.
+        """
+_RENDER_COMPLETION_HELP = """Render completion requests.
 
         Each input line is the JSON body of POST /v1/completions/render (an
         OpenAI completion request). Output line i is the list of
         GenerateRequests (one per prompt), or the server's error, for input
         record i.
-        """,
-    ),
-    (
-        render_app,
-        "messages",
-        Endpoint.RENDER_MESSAGES,
-        """Render Anthropic Messages requests.
+        """
+_RENDER_MESSAGES_HELP = """Render Anthropic Messages requests.
 
         Each input line is the JSON body of POST /v1/messages/render (an
         Anthropic Messages request). Output line i is the GenerateRequest, or
         the server's error, for input record i.
-        """,
-    ),
-    (
-        render_app,
-        "responses",
-        Endpoint.RENDER_RESPONSES,
-        """Render OpenAI Responses requests.
+        """
+_RENDER_RESPONSES_HELP = """Render OpenAI Responses requests.
 
         Each input line is the JSON body of POST /v1/responses/render (an
         OpenAI Responses request). Output line i is the GenerateRequest, or
         the server's error, for input record i.
-        """,
-    ),
-    (
-        app,
-        "tokenize",
-        Endpoint.TOKENIZE,
-        """Tokenize prompts or chats, as the render server's /tokenize does.
+        """
+_TOKENIZE_HELP = """Tokenize prompts or chats, as the render server's /tokenize does.
 
         Each input line is the JSON body of POST /tokenize (a prompt, or
         messages rendered by the chat template). Output line i is the
         server's answer (tokens, count, max_model_len, token_strs), or its
         error, for input record i.
-        """,
-    ),
-    (
-        app,
-        "detokenize",
-        Endpoint.DETOKENIZE,
-        """Detokenize token ids, as the render server's /detokenize does.
+        """
+_DETOKENIZE_HELP = """Detokenize token ids, as the render server's /detokenize does.
 
         Each input line is the JSON body of POST /detokenize (tokens). Output
         line i is the server's answer ({"prompt": text}), or its error, for
         input record i.
-        """,
-    ),
+        """
+_RENDER_COMMANDS: list[tuple[typer.Typer, str, Endpoint, str]] = [
+    (render_app, "chat", Endpoint.RENDER_CHAT, _RENDER_CHAT_HELP),
+    (render_app, "completion", Endpoint.RENDER_COMPLETION, _RENDER_COMPLETION_HELP),
+    (render_app, "messages", Endpoint.RENDER_MESSAGES, _RENDER_MESSAGES_HELP),
+    (render_app, "responses", Endpoint.RENDER_RESPONSES, _RENDER_RESPONSES_HELP),
+    (app, "tokenize", Endpoint.TOKENIZE, _TOKENIZE_HELP),
+    (app, "detokenize", Endpoint.DETOKENIZE, _DETOKENIZE_HELP),
 ]
 for _owner, _name, _endpoint, _help in _RENDER_COMMANDS:
     _owner.command(_name)(_one_shot_command(_endpoint, _help, RENDER_JOB_OPTIONS))
