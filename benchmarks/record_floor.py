@@ -35,6 +35,7 @@ import dataclasses
 import io
 import time
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,6 +49,10 @@ from derender_core.records import iter_records
 from derender_core.vllm_seam.render import collector_paused
 from derender_core.writers import JsonlWriter
 from tests.sample_inputs import SampleBuilder, one_shot_body, qwen3_family
+
+
+_TOKEN_ID = attrgetter("token_id")
+_LOGPROB = attrgetter("logprob")
 
 
 def best(fns: Sequence[Callable[[], Any]], repeat: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
@@ -66,6 +71,52 @@ def best(fns: Sequence[Callable[[], Any]], repeat: int, clock: Callable[[], floa
     return [min(kept) for kept in times]
 
 
+class LogprobPieces:
+    """Each sampled id and alternative written as token, logprob and bytes,
+    as vLLM writes them: each id decoded once per process, as derender's
+    table remembers them (decoding every id per record would be more than
+    the work); a piece of a character cut across tokens corrected by
+    vLLM's own rule (its text from the sampled ids before it, at most 4,
+    else ""), its decodes made by the tokenizers library directly."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._decoded: dict[int, str] = {}
+        self._vllm = SimpleNamespace(
+            tokenizer=SimpleNamespace(decode=lambda ids: backend.decode(ids, skip_special_tokens=False))
+        )
+
+    def content(
+        self,
+        chosen: list[tuple[Any, ...]],
+        token_id: Callable[[Any], int],
+        logprob: Callable[[Any], float],
+        context: Sequence[int] = (),
+    ) -> list[dict[str, Any]]:
+        """The logprobs content of `chosen` (per position the sampled
+        candidate, then the kept alternatives; their fields read by
+        `token_id` and `logprob`), after the sampled ids `context` (a
+        stream's earlier chunks)."""
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        ids = [token_id(c) for row in chosen for c in row]
+        known = self._decoded
+        missing = list({i for i in ids if i not in known})
+        known.update(zip(missing, self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False), strict=True))
+        texts = map(known.__getitem__, ids)
+        sampled = [*context, *(token_id(row[0]) for row in chosen)]
+        offset = len(context)
+
+        def item(c: Any, position: int) -> dict[str, Any]:
+            token = next(texts)
+            if token.endswith("\ufffd"):
+                at = position + offset
+                token = LogprobsProcessor._correct_decoded_token(self._vllm, token_id(c), sampled[max(at - 4, 0) : at])  # type: ignore[arg-type]
+            return {"token": token, "logprob": logprob(c), "bytes": list(token.encode())}
+
+        return [{**item(row[0], i), "top_logprobs": [item(c, i) for c in row[1:]]} for i, row in enumerate(chosen)]
+
+
 class JobFloor(Floor):
     """The work one record needs and nothing else (`floor.Floor`: one
     decode, vLLM's parser class built and ``parse()`` called once), with
@@ -78,7 +129,7 @@ class JobFloor(Floor):
         chat = self.validated.chat_request
         self.top = (chat.top_logprobs or 0) if chat.logprobs else None
         """Top alternatives per token the body asks for; None: no logprobs."""
-        self._decoded: dict[int, str] = {}
+        self.pieces = LogprobPieces(self.backend)
 
     def logprobs(self) -> dict[str, Any] | None:
         """The logprobs content: each sampled id and its first `top`
@@ -86,38 +137,9 @@ class JobFloor(Floor):
         if self.top is None:
             return None
         with collector_paused():  # as derender's call runs: no collection amid the allocations
-            return self._logprobs(self.top)
-
-    def _logprobs(self, top: int) -> dict[str, Any]:
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-
-        entries = self.validated.generate_response.choices[0].logprobs.content
-        chosen = [(entry, *entry.top_logprobs[:top]) for entry in entries]
-        ids = [c.token_id for row in chosen for c in row]
-        # Each id decoded once per process, as derender's table remembers
-        # them (decoding every id per record would be more than the work).
-        known = self._decoded
-        missing = list({i for i in ids if i not in known})
-        known.update(zip(missing, self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False), strict=True))
-        texts = map(known.__getitem__, ids)
-        sampled = [entry.token_id for entry in entries]
-        # vLLM's own rule for a piece of a character cut across tokens (its
-        # text from the sampled tokens before it, at most 4, else ""), its
-        # decodes made by the tokenizers library directly.
-        backend = self.backend
-        vllm = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: backend.decode(ids, skip_special_tokens=False)))
-
-        def item(c: Any, position: int) -> dict[str, Any]:
-            token = next(texts)
-            if token.endswith("\ufffd"):
-                token = LogprobsProcessor._correct_decoded_token(vllm, c.token_id, sampled[max(position - 4, 0) : position])  # type: ignore[arg-type]
-            return {"token": token, "logprob": c.logprob, "bytes": list(token.encode())}
-
-        return {
-            "content": [
-                {**item(row[0], i), "top_logprobs": [item(c, i) for c in row[1:]]} for i, row in enumerate(chosen)
-            ]
-        }
+            entries = self.validated.generate_response.choices[0].logprobs.content
+            chosen = [(entry, *entry.top_logprobs[: self.top]) for entry in entries]
+            return {"content": self.pieces.content(chosen, _TOKEN_ID, _LOGPROB)}
 
     def check_logprobs(self, answer: dict[str, Any]) -> None:
         """The floor's logprobs are derender's, token for token."""

@@ -1,10 +1,13 @@
 """A live stream against vLLM's own per-chunk work on the same stream.
 
-    python benchmarks/stream_floor.py [--tokens 8192] [--repeat 5]
+    python benchmarks/stream_floor.py [--tokens 8192] [--repeat 5] [--top-logprobs 5]
 
 The stream is a Qwen3 + hermes answer of N output tokens (a reasoning
 trace, a short answer, one tool call), one token per chunk, then the usage
-chunk, as JSONL derender bodies.
+chunk, as JSONL derender bodies. With --top-logprobs K the request asks
+for ``logprobs: true, top_logprobs: K`` and every chunk carries generate's
+logprobs (the sampled id, then K alternatives,
+`tests.sample_inputs.logprobs_for`).
 
 - derender: the path a user runs, `derender stream --format sse` in
   process: the lines read (`records.iter_records`), `batch.run` with
@@ -16,7 +19,11 @@ chunk, as JSONL derender bodies.
   own parser class for the delta (built once per stream, as vLLM builds
   it), and ``orjson.dumps`` of a chat-completion-chunk-shaped dict. Its
   reasoning, content and tool calls are checked equal to derender's
-  assembled answer before anything is timed.
+  assembled answer before anything is timed. With logprobs, each chunk's
+  floor also writes its sampled id and alternatives as token, logprob and
+  bytes (`record_floor.LogprobPieces`: each id decoded once per process,
+  a piece of a cut character corrected by vLLM's own rule from the
+  stream's sampled ids before it), checked equal to derender's logprobs.
 - `--decode reference`: the same stream on vLLM's own decode and the
   per-call path, for comparison.
 
@@ -28,22 +35,27 @@ most 2x the floor per chunk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import orjson
 from _common import REPO, plan_of_length, sample_engine
+from record_floor import LogprobPieces
 
 from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
 from derender_core.writers import AssembledWriter, SseWriter
-from tests.sample_inputs import SampleBuilder, qwen3_family, stream_bodies
+from tests.sample_inputs import SampleBuilder, logprobs_for, qwen3_family, stream_bodies
 
 TARGET = 2.0
+_TOKEN_ID = itemgetter("token_id")
+_LOGPROB = itemgetter("logprob")
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class StreamFloor:
     derender_us: float
     floor_us: float
     reference_us: float
+    top: int | None = None
+    """Top logprobs every chunk carries; None: no logprobs."""
 
     @property
     def ratio(self) -> float:
@@ -63,7 +77,8 @@ class StreamFloor:
 
     def lines(self) -> list[str]:
         return [
-            f"live stream, {self.tokens} tokens, one per chunk, {self.chunks} chunks, to SSE (CPU per chunk):",
+            f"live stream, {self.tokens} tokens, one per chunk, {self.chunks} chunks"
+            f"{'' if self.top is None else f', logprobs with top {self.top}'}, to SSE (CPU per chunk):",
             f"  derender                 {self.derender_us:8.1f} us",
             f"  floor (vLLM's own work)  {self.floor_us:8.1f} us",
             f"  derender / floor         {self.ratio:8.2f}x  (target at most {TARGET:.1f}x)",
@@ -86,9 +101,15 @@ class Floor:
         self.prompt = first["prompt_token_ids"]
         self.model = first["model"]
         self.chunks = [body["generate_chunk"] for body in bodies]
+        self.top = (self.request.top_logprobs or 0) if self.request.logprobs else None
+        self.pieces = LogprobPieces(self.backend)
 
     def stream(self) -> list[Any]:
         """The stream's chunks as vLLM would make them; the deltas, for the check."""
+        return self._stream()[0]
+
+    def _stream(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The deltas, and each chunk's logprobs content joined."""
         from tokenizers.decoders import DecodeStream
 
         derenderer, request, prompt, backend, model = self.derenderer, self.request, self.prompt, self.backend, self.model
@@ -101,6 +122,8 @@ class Floor:
         decoder = DecodeStream(ids=prompt, skip_special_tokens=False)
         step = decoder.step
         deltas = []
+        top, content, context = self.top, self.pieces.content, []
+        logprobs: list[dict[str, Any]] = []
         for chunk in self.chunks:
             out: dict[str, Any] = {"id": chunk["request_id"], "object": "chat.completion.chunk",
                                    "created": int(time.time()), "model": model}  # fmt: skip
@@ -118,17 +141,26 @@ class Floor:
                             fields[key] = getattr(delta, key)
                     if delta.tool_calls:
                         fields["tool_calls"] = [call.model_dump(exclude_none=True) for call in delta.tool_calls]
-                out["choices"] = [{"index": choice["index"], "delta": fields, "logprobs": None, "finish_reason": finish}]
+                written = None
+                if top is not None:
+                    # Each position's sampled id and kept alternatives, the
+                    # stream's last sampled ids before it as context.
+                    chosen = [(entry, *entry["top_logprobs"][:top]) for entry in choice["logprobs"]["content"]]
+                    written = {"content": content(chosen, _TOKEN_ID, _LOGPROB, context)}
+                    context = (context + ids)[-4:]
+                    logprobs += written["content"]
+                out["choices"] = [{"index": choice["index"], "delta": fields, "logprobs": written, "finish_reason": finish}]
             else:
                 out["choices"] = []
                 out["usage"] = chunk["usage"]
             orjson.dumps(out)
-        return deltas
+        return deltas, logprobs
 
     def check(self, assembled: dict[str, Any]) -> None:
         """The floor's text and parse are derender's: the same reasoning,
-        content and tool calls (names and argument strings), exactly."""
-        deltas = self.stream()
+        content and tool calls (names and argument strings), exactly; and
+        with logprobs, the same logprobs."""
+        deltas, logprobs = self._stream()
         reasoning = "".join(d.reasoning for d in deltas if d.reasoning) or None
         content = "".join(d.content for d in deltas if d.content) or None
         calls: dict[int, list[str]] = {}
@@ -146,6 +178,10 @@ class Floor:
             raise SystemExit(f"the floor is not derender's answer:\n  derender {got!r}\n  floor    {want!r}")
         if not (reasoning and content and want[2]):
             raise SystemExit(f"the stream lacks reasoning, content or a tool call: {want!r}")
+        if self.top is not None:
+            got_logprobs = (assembled["choices"][0].get("logprobs") or {}).get("content")
+            if orjson.dumps(got_logprobs) != orjson.dumps(logprobs) or not logprobs:
+                raise SystemExit("the floor's logprobs are not derender's")
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -156,11 +192,19 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.process_time() - started
 
 
-def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5) -> StreamFloor:
+def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: int | None = None) -> StreamFloor:
     """The figures for one stream of `tokens` output tokens on `engine`
-    (the sample's Qwen3 + hermes engine), best of `repeat` each."""
+    (the sample's Qwen3 + hermes engine), best of `repeat` each; with
+    `top`, every chunk carries logprobs with that many alternatives."""
     builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
-    bodies = stream_bodies(builder, [plan_of_length(builder, tokens)])
+    plan = plan_of_length(builder, tokens)
+    if top is not None:
+        plan = dataclasses.replace(plan, request={**plan.request, "logprobs": True, "top_logprobs": top})
+    bodies = stream_bodies(builder, [plan])
+    if top is not None:
+        for body in bodies:
+            for choice in body["generate_chunk"]["choices"]:
+                choice["logprobs"] = logprobs_for(choice["token_ids"], top=top + 1)
     data = b"\n".join(orjson.dumps(body) for body in bodies) + b"\n"
     job = Job(Endpoint.CHAT, stream=True)
     live = engine.in_mode(live=True, decode="fast")
@@ -189,6 +233,7 @@ def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5) -> Stre
         derender_us=min(times["derender"]) / chunks * 1e6,
         floor_us=min(times["floor"]) / chunks * 1e6,
         reference_us=min(times["reference"]) / chunks * 1e6,
+        top=top,
     )
 
 
@@ -196,11 +241,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--top-logprobs", type=int, default=None, help="every chunk carries logprobs with K alternatives")
     args = parser.parse_args()
     engine, startup = sample_engine()
     print(f"start-up (excluded below): {startup:.1f} s")
     try:
-        figures = measure(engine, args.tokens, args.repeat)
+        figures = measure(engine, args.tokens, args.repeat, args.top_logprobs)
     finally:
         engine.close()
     print("\n".join(figures.lines()))
