@@ -741,6 +741,10 @@ _CHECKPOINT_SECONDS = 2.0
 _POOL_CHUNK = 4
 """Requests per message to a parity worker (or Ray actor) where no path
 batches; a serve path gets a window of them (`ParityWork.chunk`)."""
+_WORKER_START_LIMIT = 900.0
+"""Seconds the parity pool waits for its workers to start (each builds a
+serve stack) before it goes on regardless: a worker that never starts then
+shows as a failed chunk, not as a hang."""
 
 
 @dataclass
@@ -874,7 +878,7 @@ def run_parity(
         if spec.ray:
             examined = _parity_on_ray(config, spec, work, inputs, result, done, on_skip)
         elif pooled:
-            pool = resources.enter_context(_ParityPool(config, engines, work, spec.workers, requests))
+            pool = resources.enter_context(_ParityPool(config, engines, work, spec.workers, requests, stop))
             examined = pool.examined(_skipping(inputs, result, done, on_skip))
         else:
             checker = work.checker(engines)
@@ -1049,7 +1053,7 @@ class _ParityPool:
 
     def __init__(
         self, config: RenderConfig, engines: Mapping[str, Derenderer], work: ParityWork, workers: int,
-        requests: RequestIndex | None,
+        requests: RequestIndex | None, stop: StopRequest,
     ) -> None:  # fmt: skip
         import multiprocessing
 
@@ -1063,8 +1067,27 @@ class _ParityPool:
         _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
         freeze_for_fork()
         context = multiprocessing.get_context("fork")
-        self._pool = context.Pool(workers, initializer=_parity_worker_start, initargs=(os.getpid(),))
+        started = time.perf_counter()
+        ready = context.Semaphore(0)
+        self._pool = context.Pool(workers, initializer=_parity_worker_start, initargs=(os.getpid(), ready))
         _PARITY_WORKER.clear()
+        self._wait_started(ready, stop)
+        self.startup_seconds = time.perf_counter() - started
+        """Seconds the workers took to start: start-up, which the run's
+        elapsed time and progress leave out, as for the other commands'
+        pools and Ray's actors."""
+
+    def _wait_started(self, ready: Any, stop: StopRequest) -> None:
+        """Until every worker has started (built its serve stack), a stop
+        is asked for, or `_WORKER_START_LIMIT` passes. A worker that fails
+        to start signals too (its chunks then carry the failure), and one
+        that dies starting is replaced by the pool, whose successor
+        signals."""
+        deadline = time.monotonic() + _WORKER_START_LIMIT
+        for _ in range(self.workers):
+            while not ready.acquire(timeout=0.25):
+                if stop.signal is not None or time.monotonic() > deadline:
+                    return
 
     def __enter__(self) -> _ParityPool:
         return self
@@ -1109,9 +1132,10 @@ class _ParityPool:
         yield from zip(chunk, pickle.loads(outcome), strict=True)
 
 
-def _parity_worker_start(parent: int) -> None:
+def _parity_worker_start(parent: int, ready: Any) -> None:
     """A parity worker's start: it dies with the parent, leaves Ctrl-C to
-    it, and builds the serve stack the parent could not fork."""
+    it, and builds the serve stack the parent could not fork; then it tells
+    the parent it has started (`ready`), whether or not that succeeded."""
     import signal
 
     die_with_parent(parent)
@@ -1128,6 +1152,8 @@ def _parity_worker_start(parent: int) -> None:
         _PARITY_WORKER["checker"] = work.checker({path: engines[path] for path in work.paths})
     except Exception:
         _PARITY_WORKER["failed"] = traceback.format_exc()
+    finally:
+        ready.release()
 
 
 def _parity_worker_examine(chunk: list[Request]) -> bytes | str:

@@ -353,3 +353,37 @@ def test_a_run_started_with_sigint_ignored_keeps_ignoring_it(qwen3_stack: Stack,
     assert ("stopping", signal.SIGINT) not in observer.events
     assert summary.return_code == ExitStatus.OK and summary.total.stopped_by is None
     assert len(read_jsonl(tmp_path / "out.jsonl")) == summary.total.records == 200
+
+
+def test_a_parity_worker_that_cannot_start_ends_the_run(
+    qwen3_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parity pool waits for its workers to start (each builds a serve
+    stack: start-up, left out of the run's elapsed time). A worker whose
+    start fails still says it has started, so the wait ends, and the run
+    ends with `WorkerLost` carrying the worker's traceback, not a hang."""
+    from derender_core import jobs
+    from derender_core.workers import WorkerLost
+
+    parent = os.getpid()
+    build = jobs._parity_engines
+
+    def failing_in_children(*args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != parent:
+            raise RuntimeError("the serve stack could not start here")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "_parity_engines", failing_in_children)  # the workers are forked with it
+
+    def hung(signum: int, frame: object) -> None:
+        raise AssertionError("the parity pool hung waiting for its workers")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    try:
+        spec = ParitySpec(str(SAMPLE / "chat.jsonl"), paths=["oneshot", "serve"], workers=2)
+        with pytest.raises(WorkerLost, match="the serve stack could not start here"):
+            run_parity(qwen3_stack.config, spec, warm=_warm(qwen3_stack))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
