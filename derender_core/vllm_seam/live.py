@@ -24,7 +24,9 @@ history exactly as vLLM does, and goes live from there.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -55,8 +57,10 @@ from vllm.renderers.online_derenderer import (
 )
 
 from ..protocol import Answer, StreamAnswer
+from . import logprobs as raw_logprobs
+from . import versions
 from .answers import dump_state, json_answer, stream_answer
-from .fast import TOKENS_AS_IDS, WINDOW_IDS, FastDerenderer
+from .fast import WINDOW_IDS, FastDerenderer
 
 
 class LiveDerenderer(FastDerenderer):
@@ -146,10 +150,10 @@ class _LiveStream:
                 self.detok.read_offset,
                 *((self.detok.prev_token_ids,) if WINDOW_IDS else ()),
             )
-        # What `_resolve_logprobs` takes besides 0.33's arguments.
-        self.logprob_options: dict[str, Any] = {}
-        if TOKENS_AS_IDS:
-            self.logprob_options["return_tokens_as_token_ids"] = derenderer._return_tokens_as_token_ids(request)
+        # What `_resolve_logprobs` takes besides 0.33's arguments, and the
+        # endpoint's cut of the candidates.
+        self.logprob_options = derenderer.logprob_options(request)
+        self.top_limit = _chat_top_logprobs_limit(request)
         # The history, replayed as vLLM replays it: one step per chunk,
         # none finished, text decoded with special tokens kept.
         start = 0
@@ -283,7 +287,7 @@ class _LiveStream:
                 logprobs,
                 self.tokenizer,
                 initial_context_token_ids=list(state.logprob_context_token_ids),
-                top_limit=_chat_top_logprobs_limit(request),
+                top_limit=self.top_limit,
                 **self.logprob_options,
             )
         self.logprob_context = _logprob_context_tail(list(state.logprob_context_token_ids), delta_tids)
@@ -446,8 +450,8 @@ _BODY_FIELDS = frozenset(DerenderChatStreamRequest.model_fields)
 @dataclass(frozen=True)
 class _Layout:
     """What vLLM's models make of a stream chunk with one choice and no
-    usage, logprobs or token ids: the fields, in their order, and the
-    defaults the slow path writes."""
+    usage or token ids: the fields, in their order, and the defaults the
+    slow path writes."""
 
     chunk: dict[str, Any]
     choice: dict[str, Any]
@@ -458,19 +462,25 @@ class _Layout:
     """The generate choice's fields, each None unless it is ``index`` or
     ``token_ids``."""
     parts: tuple[bytes, ...]
-    """The chunk's bytes between the id, created, model, index and delta."""
+    """The chunk's bytes between the id, created, model, index, delta and
+    logprobs."""
 
-    def render(self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any]) -> bytes:
-        """`chunk` and `choice` with these values, as orjson writes the dict."""
+    def render(
+        self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any], logprobs: bytes = b"null"
+    ) -> bytes:
+        """`chunk` and `choice` with these values, as orjson writes the dict,
+        `logprobs` as written (`ChunkLane._logprobs_json`)."""
         p = self.parts
         return b"".join(
             (p[0], orjson.dumps(request_id), p[1], b"%d" % created, p[2], orjson.dumps(model),
-             p[3], b"%d" % index, p[4], orjson.dumps(delta), p[5])  # fmt: skip
+             p[3], b"%d" % index, p[4], orjson.dumps(delta), p[5], logprobs, p[6])  # fmt: skip
         )
 
-    def fields(self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    def fields(
+        self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any], logprobs: Any = None
+    ) -> dict[str, Any]:
         """The chunk's fields, as the response models dump them."""
-        choice = {**self.choice, "index": index, "delta": delta}
+        choice = {**self.choice, "index": index, "delta": delta, "logprobs": logprobs}
         return {**self.chunk, "id": request_id, "created": created, "model": model, "choices": [choice]}
 
 
@@ -505,10 +515,10 @@ def _layout() -> _Layout | None:
     chunk_template = {**probe, "choices": None}
     choice_template = {**choice, "delta": None}
     # The chunk's bytes around what varies: the rest as orjson writes it.
-    marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00delta\x00")
+    marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00delta\x00", "\x00lp\x00")
     marked = orjson.dumps(
         {**chunk_template, "id": marks[0], "created": marks[1], "model": marks[2],
-         "choices": [{**choice_template, "index": marks[3], "delta": marks[4]}]}  # fmt: skip
+         "choices": [{**choice_template, "index": marks[3], "delta": marks[4], "logprobs": marks[5]}]}  # fmt: skip
     )
     parts = []
     for mark in marks:
@@ -528,8 +538,9 @@ def _layout() -> _Layout | None:
 
 class ChunkLane:
     """The calls of a live stream, answered without the per-call pydantic
-    round trip: the usual chunk (one choice, tokens, no finish, no usage,
-    logprobs or token ids) of a stream whose request is known and whose
+    round trip: the usual chunk (one choice, tokens, no finish, no usage
+    or token ids; logprobs only of the usual shape, where fast path
+    ``stream_lp`` is on) of a stream whose request is known and whose
     state continues.
 
     For such a body, validation is the identity: every field the lane takes
@@ -540,7 +551,9 @@ class ChunkLane:
     (`ServingDerender.derender_chat_stream_response`) come out the same for
     it as on the slow path, which answers anything else: a model vLLM does
     not serve, stop strings, more than ``max_model_len`` tokens. The step
-    itself is `_LiveStream.advance`, the slow path's, and the chunk's
+    itself is `_LiveStream.advance`, the slow path's, its logprobs written
+    from the loaded chunk as the one-shot path writes them
+    (`_logprobs_json`), and the chunk's
     bytes are the response models' dump as the endpoint writes it,
     written with orjson in the models' field order (`_layout`), a failure
     to serialise going the slow path's way (`answers.stream_answer`).
@@ -559,6 +572,8 @@ class ChunkLane:
         self.handler_logger = serving_module.logger
         self.layout = _layout()
         self._supported: dict[str | None, bool] = {}
+        self.logprobs = versions.proven("logprobs") and versions.proven("stream_lp")
+        """Whether chunks with logprobs are taken (fast path ``stream_lp``)."""
 
     def usable(self) -> bool:
         """Whether the lane answers as the slow path would in this process
@@ -609,9 +624,12 @@ class ChunkLane:
         for token_id in token_ids:
             if type(token_id) is not int:
                 return None
+        logprobs = None
         for key, value in choice.items():
             if value is not None and key != "index" and key != "token_ids":
-                return None
+                if key != "logprobs" or not self.logprobs:
+                    return None
+                logprobs = value
         model = body.get("model")
         prompt_tokens = body.get("prompt_tokens")
         if not (model is None or type(model) is str) or not (prompt_tokens is None or type(prompt_tokens) is int):
@@ -631,8 +649,14 @@ class ChunkLane:
             or not self.usable()
         ):
             return None
-        self.known.move_to_end(request_id)  # in use: the last to be forgotten
         stream = state.stream
+        written_logprobs = b"null"
+        if logprobs is not None:
+            written = self._logprobs_json(stream, logprobs, state)
+            if written is None:
+                return None
+            written_logprobs = written
+        self.known.move_to_end(request_id)  # in use: the last to be forgotten
         try:
             delta, _, _, _, new_state = stream.advance(token_ids, None, None, None, state)
         except Exception as exc:
@@ -659,14 +683,49 @@ class ChunkLane:
         # writes it.
         if plain and stream.state_checked:
             try:
-                raw = layout.render(request_id, created, model_name, index, delta_fields)
+                raw = layout.render(request_id, created, model_name, index, delta_fields, written_logprobs)
             except TypeError:  # a string that is not UTF-8: json words the failure
                 pass
             else:
                 return StreamAnswer(None, raw, new_state, dump_state)
-        answer = stream_answer(layout.fields(request_id, created, model_name, index, delta_fields), new_state)
+        # The logprobs read back: json writes what it reads as it was
+        # written (floats as their repr, strings as json_str wrote them).
+        fields = layout.fields(request_id, created, model_name, index, delta_fields, json.loads(written_logprobs))
+        answer = stream_answer(fields, new_state)
         stream.state_checked = answer.ok
         return answer
+
+    def _logprobs_json(self, stream: _LiveStream, logprobs: Any, state: LiveState) -> bytes | None:
+        """The chunk's ``logprobs`` JSON, for generate's logprobs as loaded,
+        as `_LiveStream.advance` resolves them and the endpoint writes them:
+        ``null`` where the processor hides them; written from the per-id
+        fragments (`logprobs.chat_json`, the state's context before the
+        chunk's ids) where they are of the usual shape, which validation
+        keeps as it is. None, for the slow path to answer, where they are
+        not, where vLLM writes tokens as ids (0.34's
+        ``return_tokens_as_token_ids``), where the stream does not run the
+        fast decode (no table: vLLM's own functions), where the context
+        holds an id the one-shot path never sees there, or where they
+        cannot be written (a logprob not finite: the slow path's error)."""
+        derenderer = self.derenderer
+        fragments = getattr(derenderer, "fragments", None)
+        if (
+            stream.table is None
+            or fragments is None
+            or not derenderer.fast
+            or stream.logprob_options.get("return_tokens_as_token_ids")
+        ):
+            return None
+        # The stream endpoint checks no bound on a chunk's logprobs.
+        usual = raw_logprobs.usual_content(logprobs, sys.maxsize, -1)
+        if usual is None:
+            return None
+        if stream.processor.hide_metadata:
+            return b"null"
+        context = state.logprob_context_token_ids
+        if not all(0 <= token_id < raw_logprobs._ID_BOUND for token_id in context):
+            return None
+        return raw_logprobs.chat_json(fragments, usual, stream.top_limit, context)
 
     def _model_supported(self, model: str | None) -> bool:
         """``BaseServing._is_model_supported``, once per model name: it

@@ -33,7 +33,7 @@ import re
 from bisect import bisect_right
 from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import itemgetter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import orjson
@@ -330,10 +330,13 @@ class _Kept(NamedTuple):
     candidates then stand in columns: the j-th of each, every width-th)."""
 
 
-def _kept(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> _Kept | None:
+def _kept(
+    fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool, context: Sequence[int] = ()
+) -> _Kept | None:
     """The first `top_limit` candidates of each position (all for None),
-    as ``_resolve_logprobs`` keeps them, with the pieces it corrects; None
-    if a logprob kept is not finite (the response cannot be written).
+    as ``_resolve_logprobs`` keeps them, with the pieces it corrects (after
+    the sampled ids `context`, a stream's earlier chunks'); None if a
+    logprob kept is not finite (the response cannot be written).
 
     With `learn`, the fragments of ids not met before are made first;
     without, such an id is left for the writer's lookup to raise KeyError
@@ -367,7 +370,7 @@ def _kept(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool
     keys, kept_keys = ids, kept_ids
     corrected = fragments.corrected
     if not (corrected.isdisjoint(ids) and corrected.isdisjoint(kept_ids)):
-        keys, kept_keys = _corrections(fragments, ids, kept_ids, ends, width)
+        keys, kept_keys = _corrections(fragments, ids, kept_ids, ends, width, context)
     return _Kept(keys, logprobs, counts, kept_keys, kept_logprobs, ends, width)
 
 
@@ -424,11 +427,15 @@ def _flat(heads: list[Any], groups: list[list[Any]]) -> list[Any]:
     return list(chain.from_iterable(chain.from_iterable(zip(zip(heads), groups))))
 
 
-def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
+def chat_json(
+    fragments: Fragments, usual: Usual, top_limit: int | None, context: Sequence[int] = ()
+) -> bytes | None:
     """``_resolve_logprobs``' ``ChatCompletionLogProbs`` for this checked
     content (`usual_content`), as the response's ``json.dumps`` writes it
     (a float as its repr), in UTF-8; None if a logprob is not finite (the
     response then cannot be serialised, and vLLM's path words that error).
+    `context` is its ``initial_context_token_ids``: a stream chunk's
+    sampled ids before it (the stream state's ``logprob_context_token_ids``).
 
     Per position vLLM keeps the first `top_limit` candidates (all for
     None) and decodes the sampled id and each kept one on its own
@@ -440,26 +447,29 @@ def chat_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> byte
     one, then its candidates): its opening, its float, and its closing
     from the table its place takes, every part list made in C
     (`_chat_columns`, `_chat_entries`)."""
-    return _learning(_chat_json, fragments, usual, top_limit)
+    return _learning(_chat_json, fragments, usual, top_limit, context)
 
 
 def _learning(
-    write: Callable[[Fragments, Usual, int | None, bool], bytes | None],
+    write: Callable[[Fragments, Usual, int | None, bool, Sequence[int]], bytes | None],
     fragments: Fragments,
     usual: Usual,
     top_limit: int | None,
+    context: Sequence[int] = (),
 ) -> bytes | None:
     """`write` as if every id were known; where one is not (its lookup
     raised KeyError, `_kept`), again, the fragments of all made first, in
     vLLM's order. The first try has made nothing but corrected keys."""
     try:
-        return write(fragments, usual, top_limit, False)
+        return write(fragments, usual, top_limit, False, context)
     except KeyError:
-        return write(fragments, usual, top_limit, True)
+        return write(fragments, usual, top_limit, True, context)
 
 
-def _chat_json(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> bytes | None:
-    kept = _kept(fragments, usual, top_limit, learn)
+def _chat_json(
+    fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool, context: Sequence[int]
+) -> bytes | None:
+    kept = _kept(fragments, usual, top_limit, learn, context)
     if kept is None:
         return None
     if not kept.keys:
@@ -517,8 +527,10 @@ def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -
     return _learning(_completion_json, fragments, usual, top_limit)
 
 
-def _completion_json(fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool) -> bytes | None:
-    kept = _kept(fragments, usual, top_limit, learn)
+def _completion_json(
+    fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool, context: Sequence[int]
+) -> bytes | None:
+    kept = _kept(fragments, usual, top_limit, learn, context)
     if kept is None:
         return None
     keys, counts, ends, candidate_keys = kept.keys, kept.counts, kept.ends, kept.candidate_keys
@@ -574,23 +586,33 @@ def _deduplicated(tokens: list[str], values: list[str], start: int, end: int) ->
 
 
 def _corrections(
-    fragments: Fragments, ids: list[int], kept_ids: list[int], ends: list[int], width: int | None
+    fragments: Fragments,
+    ids: list[int],
+    kept_ids: list[int],
+    ends: list[int],
+    width: int | None,
+    context: Sequence[int] = (),
 ) -> tuple[list[int], list[int]]:
     """The keys of the sampled ids and of the kept candidates, each piece
     vLLM corrects by context (`fast.TokenTable._corrected`, vLLM's rule,
-    which reads at most the last 4 sampled ids before the position)
-    replaced by its corrected key (`Fragments.key_of`).
+    which reads at most the last 4 sampled ids before the position, the
+    sampled ids `context` before the first) replaced by its corrected key
+    (`Fragments.key_of`).
 
-    Where vLLM's answer is known without a decode, it is taken so: at the
-    first position (no context: vLLM tries nothing and answers ""), and
+    Where vLLM's answer is known without a decode, it is taken so: with
+    no sampled id before (no context: vLLM tries nothing and answers ""), and
     for the ids `Fragments` knows it makes "" of (`settled` anywhere,
     `trailing` after an id in `ascii_ended`). Otherwise the decodes run
     (`_corrected`), with the context's bytes made once per position."""
     contains = fragments.corrected.__contains__
     keys, kept_keys = list(ids), list(kept_ids)
     contexts: dict[int, tuple[list[int], list[bytes] | None]] = {}
+    # The sampled ids, the context's before them: a position's index in
+    # `history` is `offset` on.
+    offset = len(context)
+    history = [*context, *ids] if offset else ids
     for position in compress(count(), map(contains, ids)):
-        keys[position] = _corrected_key(fragments, ids, position, ids[position], contexts)
+        keys[position] = _corrected_key(fragments, history, position + offset, ids[position], contexts)
     fixed = list(compress(count(), map(contains, kept_ids)))  # in order: a position's candidates together
     if not fixed:
         return keys, kept_keys
@@ -600,7 +622,7 @@ def _corrections(
     else:
         positions = list(map(operator.sub, map(bisect_right, repeat(ends), fixed), repeat(1)))
     fixed_ids = list(map(kept_ids.__getitem__, fixed))
-    first_or_after_ascii = [True, *map(fragments.ascii_ended.__contains__, ids)]
+    first_or_after_ascii = [True, *map(fragments.ascii_ended.__contains__, history)][offset:]
     trailing_known = map(
         operator.and_, map(fragments.trailing.__contains__, fixed_ids), map(first_or_after_ascii.__getitem__, positions)
     )
@@ -609,7 +631,7 @@ def _corrections(
     for k in compress(fixed, known):
         kept_keys[k] = empty
     for k, position, token_id in compress(zip(fixed, positions, fixed_ids), map(operator.not_, known)):
-        kept_keys[k] = _corrected_key(fragments, ids, position, token_id, contexts)
+        kept_keys[k] = _corrected_key(fragments, history, position + offset, token_id, contexts)
     return keys, kept_keys
 
 

@@ -26,6 +26,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "live": ("0.33.0", "0.34.0"),
     "replay": ("0.33.0", "0.34.0"),
     "logprobs": ("0.33.0", "0.34.0"),
+    "stream_lp": ("0.33.0", "0.34.0"),
     "serve": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0", "0.34.0"),
 }
@@ -42,10 +43,14 @@ PROVEN: dict[str, tuple[str, ...]] = {
 - ``replay``: a stream's replay (``--mode replay``) going on from this
   process's previous call where the call's state is the one that call
   answered (`replay.ReplayStreams`), in place of replaying the whole
-  history (needs ``live``'s stream);
+  history, its usual calls answered by ``live``'s lane on either decode
+  (needs ``live``'s stream and lane);
 - ``logprobs``: a one-shot chat or completion choice's logprobs of the usual shape
   checked in the loaded body and written from it, with no model per
   position (`logprobs`; needs ``decode`` and ``requests``);
+- ``stream_lp``: a live chat chunk's logprobs of the usual shape taken by
+  the chunk lane and written from the loaded chunk as the one-shot path
+  writes them (`live.ChunkLane`; needs ``live`` and ``logprobs``);
 - ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
   a scripted engine core through private internals (no reference path:
   refused on other releases);
