@@ -1095,9 +1095,7 @@ class _ParityPool:
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         if exc_type is None:
             # Every examination is in: the workers end on the pool's own
-            # sentinels. `terminate` would signal them with SIGTERM, which a
-            # worker forked inside `interrupt.stop_on_signals` takes as a
-            # stop to note (its handler), and the join would wait for ever.
+            # sentinels.
             self._pool.close()
         else:
             self._pool.terminate()
@@ -1135,11 +1133,17 @@ class _ParityPool:
 def _parity_worker_start(parent: int, ready: Any) -> None:
     """A parity worker's start: it dies with the parent, leaves Ctrl-C to
     it, and builds the serve stack the parent could not fork; then it tells
-    the parent it has started (`ready`), whether or not that succeeded."""
+    the parent it has started (`ready`), whether or not that succeeded.
+
+    SIGTERM ends it again: it was forked inside the run's
+    `interrupt.stop_on_signals`, whose handler only notes a stop, and the
+    pool's ``terminate`` (a run ended by an error) signals its workers with
+    SIGTERM, then waits for them; with that handler it waited for ever."""
     import signal
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     config, engines, work = _PARITY_WORKER["config"], _PARITY_WORKER["engines"], _PARITY_WORKER["work"]
     try:
         for engine in {id(e): e for e in engines.values()}.values():
