@@ -161,15 +161,18 @@ def drawn_stream(data: Any, family: Family) -> list[dict[str, Any]]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_live_chunks_with_logprobs_are_vllms_replay(family: Family, data: Any) -> None:
-    """Every call's status, chunk and state: the fast live stream's equal
-    vLLM's own replay's."""
+    """Every call's status, chunk and state: the fast live stream's (and
+    the fast replay's) equal vLLM's own replay's."""
     bodies = drawn_stream(data, family)
     with pytest.MonkeyPatch.context() as patch:
         taken = count_lane_calls(patch)
         fast = posted(family.engine.in_mode(live=True), bodies)
     event(f"lane took {'some' if any(taken) else 'no'} calls")
     event(f"{sum(bool(c.get('logprobs')) for b in bodies for c in b['generate_chunk']['choices'])} chunks with logprobs")
-    assert fast == posted(reference(family.engine), bodies)
+    want = posted(reference(family.engine), bodies)
+    assert fast == want
+    # The fast replay goes on from its previous call through the same lane.
+    assert posted(family.engine.in_mode(live=False), bodies) == want
 
 
 def _usual_stream(family: Family) -> list[dict[str, Any]]:
