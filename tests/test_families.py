@@ -457,9 +457,10 @@ def _with_streamed_tool_ids_of(mine: bytes, other: bytes) -> bytes:
 @requires_fast("decode", "live")
 def test_live_streams_are_replays_bytes(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     """Live streaming on the fast decode, its chunk lane taking a stream's
-    usual calls (`live.ChunkLane`), gives replay's bytes on vLLM's own
-    decode: every SSE event, every JSONL line (chunk and state), key order
-    and escaping included."""
+    usual calls (`live.ChunkLane`), gives vLLM's replay's bytes on its own
+    decode (its whole per-call path: the fast replay takes the lane too):
+    every SSE event, every JSONL line (chunk and state), key order and
+    escaping included."""
     taken = count_lane_calls(monkeypatch)
     lines = [orjson.dumps(body) for body in run.bodies]
     job = Job(Endpoint.CHAT, stream=True)
@@ -472,7 +473,7 @@ def test_live_streams_are_replays_bytes(family: Stack, run: Run, monkeypatch: py
 
     live = outputs(family.engine.in_mode(live=True))
     assert sum(taken) > len(lines) // 3, "the lane took too few calls to prove anything"
-    replay = outputs(family.engine.in_mode(live=False, decode="reference"))
+    replay = outputs(family.engine.in_mode(live=False, decode="reference", replay="reference"))
     for name, mine, other in zip(("sse", "jsonl"), live, replay, strict=True):
         assert mine == _with_streamed_tool_ids_of(mine, other), name
 

@@ -156,6 +156,18 @@ VARIATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+def varied_stream(builder: Any, data: st.DataObject) -> list[dict[str, Any]]:
+    """A stream (one choice, one token per chunk, usage) with one to three
+    drawn `VARIATIONS` made to drawn calls between its first and last."""
+    bodies = stream_bodies(builder, [stream_plans(builder)[0]])
+    changed = data.draw(st.lists(st.sampled_from(sorted(VARIATIONS)), min_size=1, max_size=3), label="variations")
+    places = data.draw(st.lists(st.integers(1, len(bodies) - 2), min_size=1, max_size=3), label="calls")
+    for place, name in zip(places, changed, strict=False):
+        body = bodies[place] = copy.deepcopy(bodies[place])
+        VARIATIONS[name](body)
+    return bodies
+
+
 @requires_fast("live")
 @pytest.mark.parametrize("lenient", [False, True], ids=["checked", "lenient"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -163,14 +175,7 @@ VARIATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
 def test_any_variation_of_a_call_is_answered_as_the_slow_path_and_replay_answer_it(
     qwen3_stack: Stack, lenient: bool, data: st.DataObject
 ) -> None:
-    b = qwen3_stack.builder
-    plan = stream_plans(b)[0]  # one choice, one token per chunk, usage
-    bodies = stream_bodies(b, [plan])
-    changed = data.draw(st.lists(st.sampled_from(sorted(VARIATIONS)), min_size=1, max_size=3), label="variations")
-    places = data.draw(st.lists(st.integers(1, len(bodies) - 2), min_size=1, max_size=3), label="calls")
-    for place, name in zip(places, changed, strict=False):
-        body = bodies[place] = copy.deepcopy(bodies[place])
-        VARIATIONS[name](body)
+    bodies = varied_stream(qwen3_stack.builder, data)
     assert_lane_is_the_slow_path_and_replay(qwen3_stack.engine, bodies, Job(Endpoint.CHAT, stream=True, lenient=lenient))
 
 

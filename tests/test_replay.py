@@ -30,16 +30,19 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job
 from derender_core.coverage import families_here
 from tests.families import CASES, SPECS, family_markup, render_config
-from tests.helpers import ParserSteps, jsonl_answers, no_network, normalize, requires_fast
+from tests.helpers import ParserSteps, count_lane_calls, jsonl_answers, no_network, normalize, requires_fast
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
     drawn_chunking,
     family_plans,
     generate_chunks,
+    parser_corner_plans,
     stream_bodies,
     stream_body,
+    stream_plans,
 )
+from tests.test_live_lane import JOB, outputs, varied_stream
 
 pytestmark = requires_fast("live", "replay")
 
@@ -92,12 +95,14 @@ def fast_and_reference(engine: DerenderEngine, decode: str = "fast") -> tuple[De
     )
 
 
-def test_the_corpus_replays_as_vllm_replays(family: Family) -> None:
+@pytest.mark.parametrize("decode", ["fast", "reference"])
+def test_the_corpus_replays_as_vllm_replays(family: Family, decode: str) -> None:
     """Every call of the family's stream corpus, through the pipeline as
-    ``derender stream --mode replay`` runs it (JSONL: chunk and state)."""
+    ``derender stream --mode replay`` runs it (JSONL: chunk and state), on
+    either decode (`derender parity`'s replay path runs vLLM's)."""
     plans = family_plans(family.builder)
     lines = [orjson.dumps(body) for body in stream_bodies(family.builder, plans)]
-    fast, reference = fast_and_reference(family.engine)
+    fast, reference = fast_and_reference(family.engine, decode)
     job = Job(Endpoint.CHAT, stream=True)
     counters = replays(family.engine)
     before = counters.gone_on
@@ -261,6 +266,43 @@ def test_a_changed_request_or_prompt_replays(qwen3: Family) -> None:
         # Call 3 goes on; 4 (changed) and 5 (after a change) replay.
         assert counters.gone_on - before == 1, change
         assert got == walk(reference, copy.deepcopy(changed), [("next", None)] * 5)
+
+
+@pytest.mark.parametrize("decode", ["fast", "reference"])
+def test_the_lane_answers_a_replays_usual_calls_on_either_decode(
+    qwen3: Family, decode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's usual calls that go on take the live lane, on the stream's
+    own decode, vLLM's included: every SSE event and JSONL line (chunk and
+    state, key order and escaping included) is the slow path's and vLLM's
+    replay's. The corpus: n=2, unicode cut inside characters, tool calls,
+    logprobs, finish-only tails, hidden reasoning, named and required tool
+    choice."""
+    from derender_core.vllm_seam.live import ChunkLane
+
+    b = qwen3.builder
+    bodies = stream_bodies(b, stream_plans(b) + parser_corner_plans(b))
+    fast, reference = fast_and_reference(qwen3.engine, decode)
+    taken = count_lane_calls(monkeypatch)
+    got = outputs(fast, bodies, JOB)
+    assert sum(taken) > len(bodies) // 2, "the lane took too few calls to prove anything"
+    assert not all(taken), "the slow path answered no call"
+    assert got == outputs(reference, bodies, JOB)
+    with pytest.MonkeyPatch.context() as lane_off:
+        lane_off.setattr(ChunkLane, "answer", lambda self, body: None)
+        assert got == outputs(fast, bodies, JOB)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_variation_of_a_replay_call_is_answered_as_vllms_replay_answers_it(qwen3: Family, data: st.DataObject) -> None:
+    """Calls the lane must leave to the slow path, or take and answer as it
+    does (`tests.test_live_lane.VARIATIONS`), on vLLM's decode, checked or
+    lenient: the fast replay's bytes are vLLM's replay's."""
+    bodies = varied_stream(qwen3.builder, data)
+    fast, reference = fast_and_reference(qwen3.engine, "reference")
+    job = Job(Endpoint.CHAT, stream=True, lenient=data.draw(st.booleans(), label="lenient"))
+    assert outputs(fast, bodies, job) == outputs(reference, bodies, job)
 
 
 def test_replay_reference_is_vllms_own(qwen3: Family, tmp_path: Path) -> None:

@@ -313,14 +313,19 @@ class DerenderEngine(CodeAPI):
             return self._validation_answer(
                 [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
             )
-        if self.decode == "fast" and endpoint is Endpoint.CHAT:
+        if endpoint is Endpoint.CHAT:
             if self.live:
-                answer = self._chunk_lane().answer(body)
-                if answer is not None:
-                    return answer
+                if self.decode == "fast":
+                    answer = self._chunk_lane().answer(body)
+                    if answer is not None:
+                        return answer
             elif self.replay == "fast" and type(body) is dict:
                 # A replay call that goes on from this process's last answer
-                # takes the lane as a live call would (`replay.ReplayStreams`).
+                # takes the lane as a live call would (`replay.ReplayStreams`),
+                # on either decode: the lane steps the stream on the decode it
+                # was built on (vLLM's own in ``--decode reference``), and
+                # leaves out only the per-call validation, handler checks and
+                # response models, whose answer it gives.
                 replays = getattr(self._serving.online_derenderer, "replay_streams", None)
                 if replays is not None and replays.lane_takes(body.get("stream_state")):
                     answer = self._chunk_lane().answer(body)

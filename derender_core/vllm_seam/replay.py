@@ -137,14 +137,17 @@ class ReplayStreams:
         derenderer.replay_mode = "fast"
 
     def lane_takes(self, state: Any) -> bool:
-        """Whether the live lane (`live.ChunkLane`, which runs on the fast
-        decode) may answer a replay call carrying `state`: a live state of a
-        stream this replay built on the fast decode. The lane then steps it
-        as `answer` would (`_LiveStream.advance`), if the state goes on."""
+        """Whether the live lane (`live.ChunkLane`) may answer a replay call
+        carrying `state`: a live state of a stream this replay built on the
+        derenderer's current decode, fast or vLLM's own (``--decode
+        reference``, as `derender parity`'s replay path runs). The lane then
+        steps it as `answer` would (`_LiveStream.advance`, on the stream's
+        own decode), if the state goes on, and answers what the slow path
+        would, without its per-call validation, handler and models."""
         if type(state) is not LiveState:
             return False
         built = self.streams.get(state.stream)
-        return built is not None and built[1] == "fast"
+        return built is not None and built[1] == self.derenderer.decode_mode
 
     async def answer(
         self,
