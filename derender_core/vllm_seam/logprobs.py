@@ -347,7 +347,8 @@ def _kept(
         kept_ids, kept_logprobs = usual.candidate_ids, usual.candidate_logprobs
     elif top_limit == 0:
         counts, kept_ids, kept_logprobs = [0] * len(counts), [], []
-    elif counts.count(counts[0]) == len(counts):  # as many everywhere: the first columns
+    elif counts.count(counts[0]) == len(counts) and _in_columns(len(counts), top_limit):
+        # As many everywhere: the first columns.
         every = counts[0]
         counts = [top_limit] * len(counts)
         kept_ids, kept_logprobs = [0] * (top_limit * len(counts)), [0.0] * (top_limit * len(counts))
@@ -412,6 +413,15 @@ as ``repr`` does, else by ``repr`` itself (an orjson that writes floats
 another way)."""
 
 
+def _in_columns(positions: int, width: int) -> bool:
+    """Whether positions that each keep `width` candidates are handled a
+    column at a time (a strided slice per column and part) rather than
+    position by position: where there are at least half as many positions
+    as columns. A stream chunk holds one position or a few, whose columns
+    would cost more slices than the entries they place."""
+    return 2 * positions >= width
+
+
 def _float_texts(values: list[float]) -> list[str]:
     """Each finite float's JSON (`floats_json`)."""
     return floats_json(values)[1:-1].decode().split(",") if values else []
@@ -474,7 +484,9 @@ def _chat_json(
         return None
     if not kept.keys:
         return b'{"content":[]}'
-    parts = _chat_columns(fragments, kept, kept.width) if kept.width is not None else _chat_entries(fragments, kept)
+    width = kept.width
+    in_columns = width is not None and _in_columns(len(kept.keys), width)
+    parts = _chat_columns(fragments, kept, width) if in_columns else _chat_entries(fragments, kept)  # type: ignore[arg-type]
     parts[0] = '{"content":[' + parts[0]
     parts[-1] = parts[-1][:-1] + "]}"  # the last position's comma
     return "".join(parts).encode("latin-1")
