@@ -158,7 +158,7 @@ def drawn_stream(data: Any, family: Family) -> list[dict[str, Any]]:
     return bodies
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_live_chunks_with_logprobs_are_vllms_replay(family: Family, data: Any) -> None:
     """Every call's status, chunk and state: the fast live stream's (and
