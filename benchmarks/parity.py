@@ -110,10 +110,15 @@ def job_rate(config, path: Path, paths: list[str], workers: int) -> tuple[float,
 def peak_rss(path: Path, paths: list[str]) -> float:
     """Peak RSS (MiB) of a whole ``derender parity`` process over `path`,
     its report and page written."""
+    # The process's own high-water mark (VmHWM, in kB): its ru_maxrss would
+    # start from this benchmark's own peak, which Linux hands to a forked
+    # child and keeps across exec. The run's exit status is printed too: a
+    # run that stopped early would have a small peak, not a flat one.
     script = (
-        "import resource, sys\nfrom derender_cli.main import main\n"
-        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+        "import sys\nfrom derender_cli.main import main\ncode = 0\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    code = exit.code or 0\n"
+        "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]\n"
+        "print(code, hwm, file=sys.stderr)\n"
     )
     with tempfile.TemporaryDirectory() as out:
         done = subprocess.run(
@@ -121,7 +126,10 @@ def peak_rss(path: Path, paths: list[str]) -> float:
              "--paths", ",".join(paths), "--report", f"{out}/r.jsonl", "--html", f"{out}/p.html", "-q"],
             capture_output=True, cwd=REPO, env={**os.environ, "DERENDER_NO_SERVER": "1"},
         )  # fmt: skip
-    return int(done.stderr.decode().split()[-1]) / 1024
+    code, hwm = done.stderr.decode().split()[-2:]
+    if int(code) not in (0, 1):  # 1: divergences found
+        raise SystemExit(f"derender parity over {path} exited with {code}:\n{done.stderr.decode()[-2000:]}")
+    return int(hwm) / 1024
 
 
 def main() -> None:
@@ -157,8 +165,10 @@ def main() -> None:
         if "replay" in alone and "live" in alone:
             print(f"replay costs {alone['live'] / alone['replay']:.2f}x live per record (target at most 2x at 8k tokens)")
         slowest = min(PATHS, key=lambda p: alone[p])
-        verdict = "PASS" if alone[slowest] >= 10 else "MISS"
-        print(f"slowest path alone: {slowest} at {alone[slowest]:.2f} records/s (target: each path at least 10 a worker at 400 tokens): {verdict}")
+        # The target is set at 400 tokens; the long records' figure is shown without one.
+        verdict = (": PASS" if alone[slowest] >= 10 else ": MISS") if tokens == 400 else ""
+        print(f"slowest path alone: {slowest} at {alone[slowest]:.2f} records/s "
+              f"(target: each path at least 10 a worker at 400 tokens){verdict}")
         all_six = sum(1 / alone[p] for p in PATHS)
         print(f"all six one after another, per record: {1 / all_six:.2f} records/s")
     engine.close()
