@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import gc
 import json
+import multiprocessing.context
 import os
 import pickle
 import threading
@@ -1055,7 +1056,7 @@ class _ParityPool:
         self, config: RenderConfig, engines: Mapping[str, Derenderer], work: ParityWork, workers: int,
         requests: RequestIndex | None, stop: StopRequest,
     ) -> None:  # fmt: skip
-        import multiprocessing
+        import multiprocessing.pool
 
         self.workers = workers
         self._chunk = work.chunk
@@ -1066,10 +1067,12 @@ class _ParityPool:
             engine.close()  # no event loop is shared with the children
         _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
         freeze_for_fork()
-        context = multiprocessing.get_context("fork")
+        context = _KillingForkContext()
         started = time.perf_counter()
         ready = context.Semaphore(0)
-        self._pool = context.Pool(workers, initializer=_parity_worker_start, initargs=(os.getpid(), ready))
+        self._pool = multiprocessing.pool.Pool(
+            workers, initializer=_parity_worker_start, initargs=(os.getpid(), ready), context=context
+        )
         _PARITY_WORKER.clear()
         self._wait_started(ready, stop)
         self.startup_seconds = time.perf_counter() - started
@@ -1130,20 +1133,34 @@ class _ParityPool:
         yield from zip(chunk, pickle.loads(outcome), strict=True)
 
 
+class _KillingForkProcess(multiprocessing.context.ForkProcess):
+    """A parity worker, whose ``terminate`` (the pool's, when a run ends by
+    an error) is SIGKILL: the worker keeps the run's SIGTERM handler, which
+    only notes a stop, so a SIGTERM would leave the pool waiting on it for
+    ever."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _KillingForkContext(multiprocessing.context.ForkContext):
+    """The fork context whose processes are `_KillingForkProcess`."""
+
+    Process = _KillingForkProcess  # type: ignore[assignment]
+
+
 def _parity_worker_start(parent: int, ready: Any) -> None:
     """A parity worker's start: it dies with the parent, leaves Ctrl-C to
     it, and builds the serve stack the parent could not fork; then it tells
     the parent it has started (`ready`), whether or not that succeeded.
-
-    SIGTERM ends it again: it was forked inside the run's
-    `interrupt.stop_on_signals`, whose handler only notes a stop, and the
-    pool's ``terminate`` (a run ended by an error) signals its workers with
-    SIGTERM, then waits for them; with that handler it waited for ever."""
+    It keeps the run's SIGTERM handler (`interrupt.stop_on_signals`, which
+    only notes a stop): a SIGTERM to the whole process group (``timeout``,
+    a container's stop) leaves it answering what the parent has in flight
+    while the parent stops, as a SIGINT does."""
     import signal
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     config, engines, work = _PARITY_WORKER["config"], _PARITY_WORKER["engines"], _PARITY_WORKER["work"]
     try:
         for engine in {id(e): e for e in engines.values()}.values():

@@ -8,6 +8,7 @@ page of 100,000 records is loaded in headless Chromium.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -239,6 +240,41 @@ def test_resume_continues_a_stopped_report(tmp_path: Path) -> None:
     assert stopped.read_bytes() == fresh.read_bytes()
     assert f"160 requests, {len(read_jsonl(fresh))} divergences" in resumed.stderr.decode()
     assert f"{left['requests']} resumed" in resumed.stderr.decode()
+
+
+def test_a_sigterm_to_the_process_group_stops_parity_on_workers(tmp_path: Path) -> None:
+    """``timeout`` or a container's stop signals the whole process group:
+    ``parity -j 2`` stops as it does on SIGINT (exit 143, its checkpoint
+    unfinished), its workers answering what is in flight, rather than
+    waiting on workers that died with their chunks. (2,000 requests: far
+    more than the run can answer before the stop reaches it, and the stop
+    waits only for the few chunks in flight.)"""
+    sample = (REPO / "sample_data" / "chat.jsonl").read_text().splitlines()
+    given = tmp_path / "in.jsonl"
+    with given.open("w") as out:
+        for n in range(500):
+            for line in sample:
+                record = json.loads(line)
+                record["generate_response"]["request_id"] += f"-{n}"
+                out.write(json.dumps(record) + "\n")
+    report = tmp_path / "report.jsonl"
+    command = [str(Path(sys.executable).with_name("derender")), "parity", str(given), *FLAGS,
+               "--paths", "oneshot,serve", "-q", "-j", "2", "--report", str(report)]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=offline_env(), stderr=subprocess.PIPE, start_new_session=True)
+    checkpoint = tmp_path / ".report.jsonl.derender-parity.json"
+    deadline = time.monotonic() + 300
+    while not (checkpoint.exists() and 0 < json.loads(checkpoint.read_text())["requests"]):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("parity -j 2 hung after a SIGTERM to its process group") from None
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-2000:]
+    left = json.loads(checkpoint.read_text())
+    assert not left["finished"] and 0 < left["requests"] < 2000
 
 
 def test_ray_gives_one_process_run(tmp_path: Path) -> None:
