@@ -173,24 +173,34 @@ def test_the_page_of_100000_records_stays_small_and_loads(tmp_path: Path) -> Non
     assert ("oneshot vs serve-oneshot: usage: detail_0 absent vs present", 33_334, 33_334) in classes
 
 
+def _sample_copies(given: Path, copies: int) -> Path:
+    """The sample's chat records `copies` times over, each copy's request
+    ids made its own."""
+    sample = (REPO / "sample_data" / "chat.jsonl").read_text().splitlines()
+    with given.open("w") as out:
+        for n in range(copies):
+            for line in sample:
+                record = json.loads(line)
+                record["generate_response"]["request_id"] += f"-{n}"
+                out.write(json.dumps(record) + "\n")
+    return given
+
+
 def test_the_report_streams_in_constant_memory(tmp_path: Path) -> None:
     """Ten times the records, about the same peak memory: each request's
     divergences go to the report as they are found and are not kept."""
     sample = (REPO / "sample_data" / "chat.jsonl").read_text().splitlines()
     peaks = {}
     for copies in (25, 250):
-        given = tmp_path / f"in-{copies}.jsonl"
-        with given.open("w") as out:
-            for n in range(copies):
-                for line in sample:
-                    record = json.loads(line)
-                    record["generate_response"]["request_id"] += f"-{n}"
-                    out.write(json.dumps(record) + "\n")
+        given = _sample_copies(tmp_path / f"in-{copies}.jsonl", copies)
         report = tmp_path / f"r-{copies}.jsonl"
+        # The process's own high-water mark: its ru_maxrss would start from
+        # this test process's peak, which Linux hands on across fork and exec.
         script = (
-            "import resource, sys\nfrom derender_cli.main import main\n"
+            "import sys\nfrom derender_cli.main import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(code)\n"
+            "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1], file=sys.stderr)\n"
+            "sys.exit(code)\n"
         )
         done = subprocess.run(
             [sys.executable, "-c", script, "parity", str(given), *FLAGS, "--paths", "oneshot,reference,serve-oneshot",
@@ -207,14 +217,7 @@ def test_the_report_streams_in_constant_memory(tmp_path: Path) -> None:
 def test_resume_continues_a_stopped_report(tmp_path: Path) -> None:
     """Stopped by SIGINT after its first checkpoint, then resumed: the report
     is the one a run without a stop writes."""
-    sample = (REPO / "sample_data" / "chat.jsonl").read_text().splitlines()
-    given = tmp_path / "in.jsonl"
-    with given.open("w") as out:
-        for n in range(40):
-            for line in sample:
-                record = json.loads(line)
-                record["generate_response"]["request_id"] += f"-{n}"
-                out.write(json.dumps(record) + "\n")
+    given = _sample_copies(tmp_path / "in.jsonl", 40)
     flags = [*FLAGS, "--paths", "oneshot,serve-oneshot", "-q"]
     fresh, stopped = tmp_path / "fresh.jsonl", tmp_path / "stopped.jsonl"
     assert run_cli("parity", str(given), *flags, "--report", str(fresh)).returncode == 1
@@ -249,14 +252,7 @@ def test_a_sigterm_to_the_process_group_stops_parity_on_workers(tmp_path: Path) 
     waiting on workers that died with their chunks. (2,000 requests: far
     more than the run can answer before the stop reaches it, and the stop
     waits only for the few chunks in flight.)"""
-    sample = (REPO / "sample_data" / "chat.jsonl").read_text().splitlines()
-    given = tmp_path / "in.jsonl"
-    with given.open("w") as out:
-        for n in range(500):
-            for line in sample:
-                record = json.loads(line)
-                record["generate_response"]["request_id"] += f"-{n}"
-                out.write(json.dumps(record) + "\n")
+    given = _sample_copies(tmp_path / "in.jsonl", 500)
     report = tmp_path / "report.jsonl"
     command = [str(Path(sys.executable).with_name("derender")), "parity", str(given), *FLAGS,
                "--paths", "oneshot,serve", "-q", "-j", "2", "--report", str(report)]  # fmt: skip
