@@ -1068,17 +1068,15 @@ class _ParityPool:
         _PARITY_WORKER.update(config=config, engines=dict(engines), work=work)
         freeze_for_fork()
         context = _KillingForkContext()
-        started = time.perf_counter()
         ready = context.Semaphore(0)
         self._pool = multiprocessing.pool.Pool(
             workers, initializer=_parity_worker_start, initargs=(os.getpid(), ready), context=context
         )
         _PARITY_WORKER.clear()
+        # The workers' start-up is over before the run's clock starts, so
+        # records/s, the progress and its ETA leave it out, as the other
+        # commands' pools and Ray's actors do.
         self._wait_started(ready, stop)
-        self.startup_seconds = time.perf_counter() - started
-        """Seconds the workers took to start: start-up, which the run's
-        elapsed time and progress leave out, as for the other commands'
-        pools and Ray's actors."""
 
     def _wait_started(self, ready: Any, stop: StopRequest) -> None:
         """Until every worker has started (built its serve stack), a stop
