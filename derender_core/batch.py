@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import PassedPrompts, check_body
+from .collector import records_pace
 from .errors import ExitStatus, RecordError, StreamFailure
 from .logs import ROUTE, LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
@@ -433,7 +434,7 @@ def run(
     report = Report()
     answer_all = outcomes or RecordProcessor(engine, job).outcomes
     started = time.perf_counter()
-    with tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=job.verbose):
+    with records_pace(), tally_vllm_logs(report.logs, lambda: report.records + 1, verbose=job.verbose):
         try:
             for record, outcome in answer_all(records):
                 try:

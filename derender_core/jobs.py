@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .batch import Job, OutcomeSource, Report, RunIncomplete, run
+from .collector import records_pace
 from .compare import (
     DEFAULT_NORMALIZATION,
     Classes,
@@ -862,6 +863,8 @@ def run_parity(
     every: list[tuple[Request, list[Divergence]]] = []
     tally = LogTally()
     with contextlib.ExitStack() as resources:
+        # Before any worker forks, which inherits it (`collector.records_pace`).
+        resources.enter_context(records_pace())
         if spec.report is not None:
             if done:
                 _read_back(spec.report, report_bytes, result)
@@ -1182,7 +1185,8 @@ def _parity_worker_examine(chunk: list[Request]) -> bytes | str:
         return str(_PARITY_WORKER["failed"])
     try:
         checker = _PARITY_WORKER["checker"]
-        return pickle.dumps([e for _, e in checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
+        with records_pace():
+            return pickle.dumps([e for _, e in checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
         return traceback.format_exc()
 
@@ -1254,7 +1258,8 @@ class _ParityActor:
 
     def examine(self, chunk: list[Request]) -> bytes | str:
         try:
-            return pickle.dumps([e for _, e in self.checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
+            with records_pace():
+                return pickle.dumps([e for _, e in self.checker.examined(chunk)], protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             return traceback.format_exc()
 

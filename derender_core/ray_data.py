@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .batch import Job, Outcome, RecordProcessor, Report, RunIncomplete, run, stream_key
+from .collector import records_pace
 from .config import RenderConfig
 from .datasets import is_parquet, records_from_table
 from .errors import ConfigError, InputError
@@ -212,6 +213,15 @@ class Derender:
         columns: dict[str, list[Any]] = {
             "status": [], "response": [], "tokens": [], "facts": [], "completed": [], "detail": [], "traceback": [], "logs": [],
         }  # fmt: skip
+        with records_pace():
+            self._answer_rows(processor, batch, columns)
+        table = {"key": keys, **columns}
+        if not self.job.stream:
+            del table["facts"], table["completed"]
+        return pa.table(table)
+
+    def _answer_rows(self, processor: RecordProcessor, batch: pa.Table, columns: dict[str, list[Any]]) -> None:
+        """Each row of `batch` answered, its fields appended to `columns`."""
         for record in records_from_table(batch, self.job, first_number=1, origin="batch"):
             status, raw, chunk_raw, facts, completed, tokens, detail, trace, logs = answered(
                 processor, record, self.whole_stream_answers
@@ -226,10 +236,6 @@ class Derender:
             columns["detail"].append(detail)
             columns["traceback"].append(trace)
             columns["logs"].append(json.dumps([dataclasses.asdict(line) for line in logs]) if logs else None)
-        table = {"key": keys, **columns}
-        if not self.job.stream:
-            del table["facts"], table["completed"]
-        return pa.table(table)
 
 
 def _outcome_of(row: dict[str, Any], stream: bool, whole_stream_answers: bool) -> Outcome:

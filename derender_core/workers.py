@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 import orjson
 
 from .batch import Job, Outcome, OutcomeSource, RecordProcessor, Restored, stream_key
+from .collector import records_pace
 from .errors import ConfigError, StreamFailure
 from .protocol import Answer, Derenderer, StreamAnswer
 from .records import Record, RequestIndex
@@ -413,6 +414,16 @@ def _work(
         if end is not outbox:
             end.close()
     engine.after_fork()
+    # The worker answers records until it ends (`collector.records_pace`).
+    with records_pace():
+        _answer_batches(engine, requests, inbox, outbox, parent, index)
+
+
+def _answer_batches(
+    engine: Derenderer, requests: RequestIndex | None, inbox: Any, outbox: Connection, parent: int, index: int
+) -> None:
+    """Each batch from `inbox` answered into `outbox`, until the parent
+    ends the work or is gone."""
     processor: RecordProcessor | None = None
     whole_stream_answers = True
     while True:
@@ -431,12 +442,16 @@ def _work(
         assert processor is not None
         try:
             results: list[_Wire | None] = []
-            for item in pickle.loads(message):
+            batch: list[Record | Restored | None] = pickle.loads(message)
+            for position, item in enumerate(batch):
+                # Each record's parsed line freed once answered, not with the batch.
+                batch[position] = None
                 if isinstance(item, Restored):
                     processor.restore(item.record, item.answer)
                     results.append(None)
                 else:
                     results.append(answered(processor, item, whole_stream_answers))
+                del item
             answers = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             _sent(outbox, pickle.dumps(_Failed(index, traceback.format_exc())))
