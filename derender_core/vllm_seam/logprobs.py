@@ -26,6 +26,7 @@ as before (`validated`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -34,7 +35,7 @@ from bisect import bisect_right
 from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import itemgetter
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 from pydantic import PrivateAttr
@@ -45,6 +46,8 @@ _ID_BOUND = 1 << 31
 vLLM decodes them: ""). Others (negative, huge) take vLLM's path."""
 
 _REPLACEMENT = "\ufffd"
+
+_W = TypeVar("_W")
 
 json_str = json.JSONEncoder(ensure_ascii=False).encode
 """A string as the response's ``json.dumps(ensure_ascii=False)`` writes it."""
@@ -461,12 +464,12 @@ def chat_json(
 
 
 def _learning(
-    write: Callable[[Fragments, Usual, int | None, bool, Sequence[int]], bytes | None],
+    write: Callable[[Fragments, Usual, int | None, bool, Sequence[int]], _W | None],
     fragments: Fragments,
     usual: Usual,
     top_limit: int | None,
     context: Sequence[int] = (),
-) -> bytes | None:
+) -> _W | None:
     """`write` as if every id were known; where one is not (its lookup
     raised KeyError, `_kept`), again, the fragments of all made first, in
     vLLM's order. The first try has made nothing but corrected keys."""
@@ -536,18 +539,36 @@ def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -
     ``{`` before a position's first, a comma before the others) and its
     float; per position a head closing the one before and writing it whole
     where it kept none."""
-    return _learning(_completion_json, fragments, usual, top_limit)
+    written = _learning(_completion_json, fragments, usual, top_limit)
+    return None if written is None else written[0]
+
+
+def completion_stream_json(
+    fragments: Fragments, usual: Usual, top_limit: int | None, context: Sequence[int], text_offset: int
+) -> tuple[bytes, int] | None:
+    """`completion_json` for a stream chunk, as vLLM's stream writes it:
+    its pieces corrected after the sampled ids `context` and its text
+    offsets counted on from `text_offset` (the state's
+    ``logprob_context_token_ids`` and ``logprob_text_offset``); with the
+    offset after its last token (the state's next one, where it holds a
+    token). None if a logprob is not finite."""
+    return _learning(functools.partial(_completion_json, text_offset=text_offset), fragments, usual, top_limit, context)
 
 
 def _completion_json(
-    fragments: Fragments, usual: Usual, top_limit: int | None, learn: bool, context: Sequence[int]
-) -> bytes | None:
+    fragments: Fragments,
+    usual: Usual,
+    top_limit: int | None,
+    learn: bool,
+    context: Sequence[int],
+    text_offset: int = 0,
+) -> tuple[bytes, int] | None:
     kept = _kept(fragments, usual, top_limit, learn, context)
     if kept is None:
         return None
     keys, counts, ends, candidate_keys = kept.keys, kept.counts, kept.ends, kept.candidate_keys
-    offsets = list(accumulate(map(len, map(fragments.token.__getitem__, keys)), initial=0))
-    offsets.pop()
+    offsets = list(accumulate(map(len, map(fragments.token.__getitem__, keys)), initial=text_offset))
+    end = offsets.pop()
     heads = [
         ("}," if before else ",") + ("" if now else "{}" if had else "null")
         for before, now, had in zip(chain((0,), counts), counts, usual.tops)
@@ -584,7 +605,7 @@ def _completion_json(
         b'{"text_offset":', orjson.dumps(offsets), b',"token_logprobs":', floats_json(kept.logprobs),
         b',"tokens":[', ",".join(map(fragments.token_json.__getitem__, keys)).encode("latin-1"),
         b'],"top_logprobs":[', objects.encode("latin-1"), b"]}",
-    ))  # fmt: skip
+    )), end  # fmt: skip
 
 
 def _deduplicated(tokens: list[str], values: list[str], start: int, end: int) -> list[str]:
