@@ -343,8 +343,7 @@ class WorkerPool:
         for process in self._processes:
             process.join(timeout=max(deadline - time.monotonic(), 0.1))
             if process.is_alive():
-                # SIGKILL: a worker forked inside `interrupt.stop_on_signals`
-                # keeps its handler, which takes a SIGTERM as a stop to note.
+                # SIGKILL: a worker ignores SIGTERM (`_work`).
                 process.kill()
                 process.join()
         for inbox in self._inboxes:
@@ -406,7 +405,12 @@ def _work(
 ) -> None:
     """A worker's loop: batches of records in, batches of outcomes out."""
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, ``timeout`` and a container's stop signal the whole process
+    # group: the parent stops the run (`interrupt.stop_on_signals`), and the
+    # workers answer what is in flight until it ends them (`close`). A worker
+    # killed by such a signal would end the run as lost, its answers with it.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     # Of the answer pipes, only the writing end of its own stays open here:
     # a parent gone leaves no reader (the write fails, where the kernel does
     # not kill this worker first), and no other worker's pipe is held open.

@@ -484,33 +484,58 @@ def test_quiet_progress_shows_nothing_off_a_terminal() -> None:
 def derender_process(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("derender")), *args, "--config", "sample_data/qwen3.yaml"],
-        cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
 
-def kill_while_writing(process: subprocess.Popen[bytes], output: Path, signum: int, rng: random.Random) -> tuple[int, bytes]:
+def kill_while_writing(
+    process: subprocess.Popen[bytes], output: Path, signum: int, rng: random.Random, *, group: bool = False
+) -> tuple[int, bytes]:
     """Wait until answers reach `output`, then send `signum` a random
-    moment later; the exit status and stderr."""
+    moment later, to the process or (`group`) to its whole process group,
+    its workers with it; the exit status and stderr."""
     deadline = time.monotonic() + 600
     while (not output.exists() or output.stat().st_size == 0) and process.poll() is None:
         assert time.monotonic() < deadline, "no output in 10 minutes"
         time.sleep(0.05)
     time.sleep(rng.uniform(0, 1.5))
-    process.send_signal(signum)
-    _, stderr = process.communicate(timeout=300)
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"the run hung after {signal.Signals(signum).name}") from None
     return process.returncode, stderr
 
 
 @pytest.mark.parametrize(
-    ("command", "signum", "first_workers", "then_workers"),
-    [("chat", signal.SIGTERM, "2", "2"), ("chat", signal.SIGINT, "1", "2"), ("stream", signal.SIGKILL, "2", "1")],
+    ("command", "signum", "group", "first_workers", "then_workers"),
+    [
+        ("chat", signal.SIGTERM, False, "2", "2"),
+        ("chat", signal.SIGINT, False, "1", "2"),
+        ("stream", signal.SIGKILL, False, "2", "1"),
+        # ``timeout``, a container's stop, Ctrl-C: the whole group, workers too.
+        ("chat", signal.SIGTERM, True, "2", "1"),
+        ("stream", signal.SIGINT, True, "2", "2"),
+    ],
 )
 def test_cli_killed_at_a_random_point_then_resumed(
-    qwen3_stack: Stack, tmp_path: Path, command: str, signum: int, first_workers: str, then_workers: str
+    qwen3_stack: Stack,
+    tmp_path: Path,
+    command: str,
+    signum: int,
+    group: bool,
+    first_workers: str,
+    then_workers: str,
 ) -> None:
     """A real run killed mid-way leaves complete lines only (and, for a
-    signal it can handle, says where it stopped); --resume then finishes
-    the output exactly as an uninterrupted run writes it."""
+    signal it can handle, says where it stopped, its workers answering
+    what is in flight whether or not the signal reached them too);
+    --resume then finishes the output exactly as an uninterrupted run
+    writes it."""
     stack = qwen3_stack
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -532,11 +557,12 @@ def test_cli_killed_at_a_random_point_then_resumed(
     expected, _ = derendered(stack.engine.in_mode(live=True), job, lines)
 
     process = derender_process(command, str(source), "-o", str(output), "-j", first_workers)
-    status, stderr = kill_while_writing(process, output, signum, rng)
+    status, stderr = kill_while_writing(process, output, signum, rng, group=group)
     written = output.read_bytes()
     kept = written[: written.rfind(b"\n") + 1]
     if signum != signal.SIGKILL and status != 0:
         assert status == 128 + signum, stderr.decode()[-2000:]
+        assert b"could not finish" not in stderr, stderr.decode()[-2000:]
         assert kept == written, "a handled signal leaves whole lines only"
         stopped = re.search(rb"stopped by SIG\w+ after record (\d+)", stderr)
         assert stopped and int(stopped.group(1)) == kept.count(b"\n"), stderr.decode()[-2000:]
