@@ -45,6 +45,7 @@ from floor import Floor, with_logprobs
 
 from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
+from derender_core.collector import records_pace
 from derender_core.records import iter_records
 from derender_core.vllm_seam.render import collector_paused
 from derender_core.writers import JsonlWriter
@@ -221,8 +222,11 @@ def record_row(
             engine.post(Endpoint.CHAT, body)
 
     def floors() -> None:
-        for _ in range(n):
-            floor.record(line)
+        # At the collector's pace a job answers records at (`records_pace`):
+        # the floor pays no collection the job does not.
+        with records_pace():
+            for _ in range(n):
+                floor.record(line)
 
     record_s, post_s, floor_s = (t / n for t in best((job_run, posts, floors), repeat))
     count = len(body["generate_response"]["choices"][0]["token_ids"])
