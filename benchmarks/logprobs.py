@@ -18,7 +18,9 @@ Per case, the best of --repeat runs, the measures taking turns
 - logprob floor: ``orjson.loads`` of the line, the job floor (one decode of
   the ids and, for chat, vLLM's parser class built and ``parse()`` called
   once, `floor.Floor.work`), and ``orjson.dumps`` of the answer derender
-  writes, parsed back into a dict.
+  writes, parsed back into a dict; at the collector's pace a job runs at
+  (`collector.records_pace`), so neither pays a collection the other does
+  not.
 
 Checked before timing: the floor's message (or text) is derender's, and
 derender's answer is, byte for byte, the one ``--decode reference`` (vLLM's

@@ -13,7 +13,8 @@ tool call) of N output tokens. Per length, the best of --repeat runs of
 - job floor: the work itself, per record: read the line, ``orjson.loads``,
   one tokenizers decode of the ids, vLLM's own parser class built and
   ``parse()`` called once, ``orjson.dumps`` of a response-shaped dict;
-  its message is checked equal to derender's. With --logprobs each length
+  its message is checked equal to derender's; at the collector's pace a
+  job runs at (`collector.records_pace`). With --logprobs each length
   runs again with 5 top logprobs per token (integer ids, as generate sends
   them): the floor also writes each sampled id and its alternatives as
   token, logprob and bytes (each id decoded once per process, as
