@@ -92,6 +92,14 @@ def _start(name: str, config: RenderConfig, family: Family, logs: Path) -> Itera
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def sample_engine() -> Iterator[DerenderEngine]:
+    """The sample's engine, built once for the module that asks for it."""
+    engine = DerenderEngine.build(sample_config())
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_deepseek_v4(tmp_path_factory.mktemp("models") / "deepseek_v4")

@@ -16,14 +16,7 @@ from derender_core.batch import Job, run
 from derender_core.collector import YOUNG_THRESHOLD, records_pace
 from derender_core.records import iter_records
 from derender_core.writers import JsonlWriter
-from tests.conftest import REPO, sample_config
-
-
-@pytest.fixture(scope="module")
-def sample_engine() -> Iterator[DerenderEngine]:
-    engine = DerenderEngine.build(sample_config())
-    yield engine
-    engine.close()
+from tests.conftest import REPO
 
 
 @pytest.fixture

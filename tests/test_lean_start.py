@@ -21,16 +21,8 @@ from pathlib import Path
 import pytest
 
 from derender_core import DerenderEngine
-from tests.conftest import sample_config
 from tests.families import SPECS
 from tests.helpers import REPO, offline_env, requires_fast
-
-
-@pytest.fixture(scope="module")
-def sample_engine() -> DerenderEngine:
-    engine = DerenderEngine.build(sample_config())
-    yield engine
-    engine.close()
 
 
 @requires_fast("startup")

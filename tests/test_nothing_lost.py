@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from derender_core import DerenderEngine, RenderConfig
-from tests.conftest import sample_config
 from tests.helpers import (
     REPO,
     SAMPLE,
@@ -246,13 +244,6 @@ def test_blank_lines_get_their_own_error_records_and_errors_lines_agree(tmp_path
     logged = lines_of(errors.read_bytes())
     assert [(e["line"], e["record"]) for e in logged] == [(2, 2), (3, 3), (4, 4), (5, 5)]
     assert f"record 5 (line 5): 400 no request with request_id 'nope' in {requests}" in stderr_of(done)
-
-
-@pytest.fixture(scope="module")
-def sample_engine() -> Iterator[DerenderEngine]:
-    engine = DerenderEngine.build(sample_config())
-    yield engine
-    engine.close()
 
 
 @pytest.fixture
