@@ -349,20 +349,21 @@ def hub_cache(hub: Path, repo_id: str, source: Path, revision: str = "main") -> 
     return commit
 
 
-def count_lane_calls(monkeypatch: Any) -> list[bool]:
-    """Patch the live chunk lane (`live.ChunkLane.answer`) to record, per
-    call offered to it, whether it answered it; the list fills as calls go."""
+def count_lane_calls(monkeypatch: Any, method: str = "answer") -> list[bool]:
+    """Patch the live chunk lane (`live.ChunkLane.answer`, or its
+    ``answer_completion``) to record, per call offered to it, whether it
+    answered it; the list fills as calls go."""
     from derender_core.vllm_seam.live import ChunkLane
 
     taken: list[bool] = []
-    answer = ChunkLane.answer
+    answer = getattr(ChunkLane, method)
 
     def counted(self: ChunkLane, body: Any) -> Any:
         result = answer(self, body)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(ChunkLane, "answer", counted)
+    monkeypatch.setattr(ChunkLane, method, counted)
     return taken
 
 

@@ -232,31 +232,49 @@ texts = st.none() | st.text() | st.text(st.characters(codec=None, categories=["C
 @requires_fast("live")
 @settings(max_examples=300, deadline=None)
 @given(role=st.none() | st.just("assistant"), content=texts, reasoning=texts,
-       request_id=st.text(), model=st.text(min_size=1), index=st.integers(0, 2**31), created=st.integers(0, 2**40))  # fmt: skip
+       request_id=st.text(), model=st.text(min_size=1), index=st.integers(0, 2**31), created=st.integers(0, 2**40),
+       completion=st.booleans())  # fmt: skip
 def test_the_lanes_chunk_bytes_are_the_endpoints(
-    role: str | None, content: str | None, reasoning: str | None, request_id: str, model: str, index: int, created: int
+    role: str | None,
+    content: str | None,
+    reasoning: str | None,
+    request_id: str,
+    model: str,
+    index: int,
+    created: int,
+    completion: bool,
 ) -> None:
     """The lane writes a chunk with orjson into the models' field order;
     the endpoint writes ``ChatCompletionStreamResponse(...).model_dump()``
-    with Starlette's JSONResponse (json.dumps, ensure_ascii off). Same
-    bytes for any text (control characters, line separators, astral
-    characters), and where one fails (a lone surrogate) so does the other."""
+    (or, for a completion stream, ``CompletionStreamResponse``'s, its
+    text in place of the delta) with Starlette's JSONResponse (json.dumps,
+    ensure_ascii off). Same bytes for any text (control characters, line
+    separators, astral characters), and where one fails (a lone
+    surrogate) so does the other."""
     from vllm.entrypoints.generate.base.protocol import DeltaMessage
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionResponseStreamChoice,
         ChatCompletionStreamResponse,
     )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
-    from derender_core.protocol import StreamAnswer
+    from derender_core.protocol import Endpoint, StreamAnswer
     from derender_core.vllm_seam.live import _layout
 
-    layout = _layout()
+    layout = _layout(Endpoint.COMPLETION if completion else Endpoint.CHAT)
     assert layout is not None
-    delta = {"role": role, "content": content, "reasoning": reasoning}
-    model_dump = ChatCompletionStreamResponse(
-        id=request_id, created=created, model=model,
-        choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(**delta))],
-    ).model_dump()  # fmt: skip
+    delta: Any = {"role": role, "content": content, "reasoning": reasoning}
+    if completion:
+        delta = content or ""
+        model_dump = CompletionStreamResponse(
+            id=request_id, created=created, model=model,
+            choices=[CompletionResponseStreamChoice(index=index, text=delta)],
+        ).model_dump()  # fmt: skip
+    else:
+        model_dump = ChatCompletionStreamResponse(
+            id=request_id, created=created, model=model,
+            choices=[ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(**delta))],
+        ).model_dump()  # fmt: skip
     assert layout.fields(request_id, created, model, index, delta) == model_dump
     assert list(json.dumps(layout.fields(request_id, created, model, index, delta))) == list(json.dumps(model_dump))
     try:

@@ -565,20 +565,28 @@ class FastDerenderer(OnlineDerenderer):
             return super()._detokenize_delta(
                 tokenizer, delta_token_ids, state, skip_special_tokens, spaces_between_special_tokens
             )
-        # spaces_between_special_tokens only matters to slow tokenizers.
-        window = self.table.window(state, skip_special_tokens)
+        text, update = self.window_step(delta_token_ids, state, skip_special_tokens)
+        return text, state.model_copy(update=update)
+
+    def window_step(
+        self, delta_token_ids: list[int], state: DerenderStreamState, skip_special_tokens: bool
+    ) -> tuple[str, dict[str, Any]]:
+        """The fast `_detokenize_delta` (a table needed) as the text and the
+        state's fields it updates, for a caller that updates more of them
+        in the same copy (`live.ChunkLane.answer_completion`).
+        spaces_between_special_tokens only matters to slow tokenizers."""
+        table: TokenTable = self.table  # type: ignore[assignment]
+        window = table.window(state, skip_special_tokens)
         if WINDOW_IDS:
-            text, _, prefix_offset, read_offset, ids = self.table.detokenize_delta(
+            text, _, prefix_offset, read_offset, ids = table.detokenize_delta(
                 delta_token_ids, window, state.prefix_offset, state.read_offset, skip_special_tokens,
                 state.prev_token_ids,
             )  # fmt: skip
-            update: dict[str, Any] = {"prev_token_ids": ids}
-        else:
-            text, prev_tokens, prefix_offset, read_offset = self.table.detokenize_delta(
-                delta_token_ids, window, state.prefix_offset, state.read_offset, skip_special_tokens
-            )
-            update = {"prev_tokens": prev_tokens}
-        return text, state.model_copy(update={**update, "prefix_offset": prefix_offset, "read_offset": read_offset})
+            return text, {"prev_token_ids": ids, "prefix_offset": prefix_offset, "read_offset": read_offset}
+        text, prev_tokens, prefix_offset, read_offset = table.detokenize_delta(
+            delta_token_ids, window, state.prefix_offset, state.read_offset, skip_special_tokens
+        )
+        return text, {"prev_tokens": prev_tokens, "prefix_offset": prefix_offset, "read_offset": read_offset}
 
     def logprob_options(self, request: ChatCompletionRequest | CompletionRequest | None) -> dict[str, Any]:
         """What vLLM's ``_resolve_logprobs`` takes for `request` besides

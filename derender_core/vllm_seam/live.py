@@ -41,8 +41,14 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionStreamResponse,
 )
 from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     DerenderChatStreamRequest,
+    DerenderCompletionStreamRequest,
     DerenderStreamState,
     GenerateTokensStreamResponse,
 )
@@ -50,13 +56,14 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.parser import Parser
 from vllm.renderers.online_derenderer import (
     _chat_top_logprobs_limit,
+    _completion_top_logprobs_limit,
     _decode_params,
     _logprob_context_tail,
     _resolve_logprobs,
     _seed_stream_state,
 )
 
-from ..protocol import Answer, StreamAnswer
+from ..protocol import Answer, Endpoint, StreamAnswer
 from . import logprobs as raw_logprobs
 from . import versions
 from .answers import dump_state, json_answer, stream_answer
@@ -75,6 +82,44 @@ class LiveDerenderer(FastDerenderer):
         # attribute; vLLM's replay runs it in the renderer's thread pool.
         self._replay_chat_stream_parsed_async = self._derender_chat_stream_parsed_async
         self._derender_chat_stream_parsed_async = self._derender_chat_stream_live
+        self.completion_streams: OrderedDict[tuple[str, int], CompletionStream] = OrderedDict()
+        """Per live completion stream (request id and choice index, as a
+        client keeps a state per index), the state last handed out, which
+        the chunk lane may go on from (`ChunkLane.answer_completion`)."""
+
+    async def derender_completion_stream(
+        self,
+        model: str,
+        generate_chunk: GenerateTokensStreamResponse,
+        state: DerenderStreamState | None = None,
+        prompt_tokens: int | None = None,
+        completion_request: CompletionRequest | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> tuple[CompletionStreamResponse, DerenderStreamState]:
+        """vLLM's, the state it answers with noted, while live on the fast
+        decode, as the stream's last (`hand_out`): the chunk lane takes the
+        stream's next call from it."""
+        chunk, new_state = await super().derender_completion_stream(
+            model, generate_chunk, state, prompt_tokens, completion_request, prompt_token_ids
+        )
+        if self.live and self.fast and generate_chunk.choices and type(new_state) is DerenderStreamState:
+            self.hand_out((generate_chunk.request_id, generate_chunk.choices[0].index), new_state, completion_request)
+        return chunk, new_state
+
+    def hand_out(
+        self, key: tuple[str, int], state: DerenderStreamState, request: CompletionRequest | None
+    ) -> CompletionStream:
+        """Note `state` as the completion stream's last, the most recently
+        used of `STREAMS_KEPT`."""
+        streams = self.completion_streams
+        stream = streams.get(key)
+        if stream is None or stream.request is not request:
+            stream = streams[key] = CompletionStream(self, request)
+        stream.hand_out(state)
+        streams.move_to_end(key)
+        if len(streams) > STREAMS_KEPT:
+            streams.popitem(last=False)
+        return stream
 
     async def _derender_chat_stream_live(
         self,
@@ -309,6 +354,48 @@ class _LiveStream:
         return delta_message, finish_reason, stop_reason, resolved_logprobs, self.snapshot()
 
 
+STREAMS_KEPT = 4096
+"""Live completion streams whose next call the lane may take (the most
+recently used)."""
+
+
+class CompletionStream:
+    """A live completion stream's last state handed out, for the chunk
+    lane to go on from, and what its request sets for every chunk.
+
+    vLLM's completion stream carries everything in its state (a bounded
+    decode window, the logprobs' context and text offset); any state it
+    validated or answered gives the same answer from the same code. The
+    lane takes only the object last handed out, its fields unchanged (a
+    copy is kept: an edit in place shows), so it reads a state whose
+    every value is one vLLM's code made and whose serialisation the slow
+    path already tried (its carried fields) or cannot fail (the window's
+    vocabulary pieces, ints)."""
+
+    __slots__ = ("request", "skip_special", "top_limit", "as_ids", "state", "fields")
+
+    def __init__(self, derenderer: LiveDerenderer, request: CompletionRequest | None) -> None:
+        self.request = request
+        # (spaces_between_special_tokens only matters to slow tokenizers,
+        # which have no fast decode.)
+        self.skip_special = _decode_params(derenderer.tokenizer, request)[0]
+        self.top_limit = _completion_top_logprobs_limit(request)
+        self.as_ids = bool(derenderer.logprob_options(request).get("return_tokens_as_token_ids"))
+        """Whether vLLM writes logprobs' tokens as ids (0.34's
+        ``return_tokens_as_token_ids``): left to the slow path."""
+        self.state: DerenderStreamState | None = None
+        self.fields: dict[str, Any] = {}
+
+    def hand_out(self, state: DerenderStreamState) -> None:
+        self.state = state
+        self.fields = {name: value.copy() if type(value) is list else value for name, value in state.__dict__.items()}
+
+    def goes_on(self, state: Any, request: Any) -> bool:
+        """Whether a call carrying `state` for `request` may be stepped
+        here: the state is the one last handed out, unchanged."""
+        return state is self.state and request is self.request and state.__dict__ == self.fields
+
+
 class LiveState(NamedTuple):
     """The ``DerenderStreamState`` replay would return, as a view of a live
     stream: its history is a prefix of the stream's append-only lists.
@@ -445,6 +532,7 @@ def _json_bytes(value: Any) -> bytes | None:
 
 
 _BODY_FIELDS = frozenset(DerenderChatStreamRequest.model_fields)
+_COMPLETION_BODY_FIELDS = frozenset(DerenderCompletionStreamRequest.model_fields)
 
 
 @dataclass(frozen=True)
@@ -462,46 +550,57 @@ class _Layout:
     """The generate choice's fields, each None unless it is ``index`` or
     ``token_ids``."""
     parts: tuple[bytes, ...]
-    """The chunk's bytes between the id, created, model, index, delta and
+    """The chunk's bytes between the id, created, model, index, the
+    choice's own field (a chat chunk's delta, a completion's text) and
     logprobs."""
+    field: str
+    """The choice's own field: ``delta`` or ``text``."""
 
     def render(
-        self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any], logprobs: bytes = b"null"
+        self, request_id: str, created: int, model: str, index: int, value: Any, logprobs: bytes = b"null"
     ) -> bytes:
         """`chunk` and `choice` with these values, as orjson writes the dict,
         `logprobs` as written (`ChunkLane._logprobs_json`)."""
         p = self.parts
         return b"".join(
             (p[0], orjson.dumps(request_id), p[1], b"%d" % created, p[2], orjson.dumps(model),
-             p[3], b"%d" % index, p[4], orjson.dumps(delta), p[5], logprobs, p[6])  # fmt: skip
+             p[3], b"%d" % index, p[4], orjson.dumps(value), p[5], logprobs, p[6])  # fmt: skip
         )
 
     def fields(
-        self, request_id: str, created: int, model: str, index: int, delta: dict[str, Any], logprobs: Any = None
+        self, request_id: str, created: int, model: str, index: int, value: Any, logprobs: Any = None
     ) -> dict[str, Any]:
         """The chunk's fields, as the response models dump them."""
-        choice = {**self.choice, "index": index, "delta": delta, "logprobs": logprobs}
+        choice = {**self.choice, "index": index, self.field: value, "logprobs": logprobs}
         return {**self.chunk, "id": request_id, "created": created, "model": model, "choices": [choice]}
 
 
-def _layout() -> _Layout | None:
-    """The layout, read off vLLM's own models once; None (no lane) when
-    they are not what the lane writes: a field whose default is not None,
-    a delta of other fields, a generate chunk that refuses null."""
+def _layout(endpoint: Endpoint = Endpoint.CHAT) -> _Layout | None:
+    """The layout of a chat or a completion stream chunk, read off vLLM's
+    own models once; None (no lane) when they are not what the lane
+    writes: a field whose default is not None, a delta of other fields, a
+    generate chunk that refuses null."""
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensStreamChoice
 
-    probe = ChatCompletionStreamResponse(
-        id="", model="", choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage())]
-    ).model_dump()
+    if endpoint is Endpoint.CHAT:
+        field = "delta"
+        probe = ChatCompletionStreamResponse(
+            id="", model="", choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage())]
+        ).model_dump()
+        if list(DeltaMessage(role="r", content="c", reasoning="x").model_dump().items()) != list(
+            zip(_PLAIN_DELTA, ("r", "c", "x"), strict=True)
+        ):
+            return None
+    else:
+        field = "text"
+        probe = CompletionStreamResponse(
+            id="", model="", choices=[CompletionResponseStreamChoice(index=0, text="")]
+        ).model_dump()
     choice = probe["choices"][0]
     fixed = {"id", "object", "created", "model", "choices"}
     if any(value is not None for key, value in probe.items() if key not in fixed):
         return None
-    if any(value is not None for key, value in choice.items() if key not in ("index", "delta")):
-        return None
-    if list(DeltaMessage(role="r", content="c", reasoning="x").model_dump().items()) != list(
-        zip(_PLAIN_DELTA, ("r", "c", "x"), strict=True)
-    ):
+    if any(value is not None for key, value in choice.items() if key not in ("index", field)):
         return None
     generate_fields = frozenset(GenerateTokensStreamResponse.model_fields)
     generate_choice_fields = frozenset(GenerateTokensStreamChoice.model_fields)
@@ -513,12 +612,12 @@ def _layout() -> _Layout | None:
     except Exception:  # noqa: BLE001 - any refusal means: no lane
         return None
     chunk_template = {**probe, "choices": None}
-    choice_template = {**choice, "delta": None}
+    choice_template = {**choice, field: None}
     # The chunk's bytes around what varies: the rest as orjson writes it.
-    marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00delta\x00", "\x00lp\x00")
+    marks = ("\x00id\x00", 987_654_321_987_654, "\x00model\x00", 123_456_789_123_456, "\x00value\x00", "\x00lp\x00")
     marked = orjson.dumps(
         {**chunk_template, "id": marks[0], "created": marks[1], "model": marks[2],
-         "choices": [{**choice_template, "index": marks[3], "delta": marks[4], "logprobs": marks[5]}]}  # fmt: skip
+         "choices": [{**choice_template, "index": marks[3], field: marks[4], "logprobs": marks[5]}]}  # fmt: skip
     )
     parts = []
     for mark in marks:
@@ -533,7 +632,23 @@ def _layout() -> _Layout | None:
         generate_fields=generate_fields,
         generate_choice_fields=generate_choice_fields,
         parts=tuple(parts),
+        field=field,
     )
+
+
+class _Call(NamedTuple):
+    """A usual call's values, read off its body (`ChunkLane._usual`)."""
+
+    state: Any
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: Any
+    """The choice's logprobs as loaded; None where it has none."""
+    model: str | None
+    request: Any
+    """The request the stream's first call validated (`KnownRequest`)."""
+    prompt_token_ids: Any
 
 
 class ChunkLane:
@@ -541,7 +656,8 @@ class ChunkLane:
     round trip: the usual chunk (one choice, tokens, no finish, no usage
     or token ids; logprobs only of the usual shape, where fast path
     ``stream_lp`` is on) of a stream whose request is known and whose
-    state continues.
+    state continues; and the same of a live completion stream
+    (`answer_completion`, fast path ``live_cmpl``).
 
     For such a body, validation is the identity: every field the lane takes
     is of the exact JSON type the models keep as is (a str, an int, a list
@@ -570,34 +686,49 @@ class ChunkLane:
         self.known = known
         self.max_model_len = serving.model_config.max_model_len
         self.handler_logger = serving_module.logger
-        self.layout = _layout()
+        self.layout = _layout(Endpoint.CHAT)
+        self.completion_layout = _layout(Endpoint.COMPLETION)
         self._supported: dict[str | None, bool] = {}
         self.logprobs = versions.proven("logprobs") and versions.proven("stream_lp")
         """Whether chunks with logprobs are taken (fast path ``stream_lp``)."""
+        self.completions = versions.proven("live_cmpl") and isinstance(self.derenderer, LiveDerenderer)
+        """Whether live completion chunks are taken (fast path ``live_cmpl``)."""
+        self.completion_logprobs = self.completions and versions.proven("logprobs")
+        """Whether completion chunks with logprobs are taken too."""
 
     def usable(self) -> bool:
         """Whether the lane answers as the slow path would in this process
         now: vLLM's handler would log nothing (no request logger, its debug
         lines off) and its derenderer is a live, parsed one."""
-        return (
-            self.layout is not None
-            and self.derenderer.parser is not None
-            and self.serving.request_logger is None
-            and not self.handler_logger.isEnabledFor(logging.DEBUG)
-        )
+        return self.layout is not None and self.derenderer.parser is not None and self._quiet()
 
-    def answer(self, body: Any) -> Answer | None:
-        if type(body) is not dict:
+    def _quiet(self) -> bool:
+        """Whether vLLM's handler would log nothing for the call: no
+        request logger, its debug lines off."""
+        return self.serving.request_logger is None and not self.handler_logger.isEnabledFor(logging.DEBUG)
+
+    def _usual(
+        self,
+        body: Any,
+        state_type: type,
+        fields: frozenset[str],
+        request_key: str,
+        layout: _Layout | None,
+        logprobs: bool,
+    ) -> _Call | None:
+        """The values of a usual call (a stream body of these `fields`, a
+        state of `state_type`, one choice of ids, logprobs only where
+        `logprobs` allows, a known request), or None (and where there is
+        no `layout`). The checks the chat and completion lanes share."""
+        if type(body) is not dict or layout is None:
             return None
-        state = body.get("stream_state")
         chunk = body.get("generate_chunk")
-        layout = self.layout
+        state = body.get("stream_state")
         if (
-            type(state) is not LiveState
+            type(state) is not state_type
             or type(chunk) is not dict
-            or layout is None
             or body.get("stream") is not True
-            or not body.keys() <= _BODY_FIELDS
+            or not body.keys() <= fields
         ):
             return None
         request_id = chunk.get("request_id")
@@ -624,35 +755,42 @@ class ChunkLane:
         for token_id in token_ids:
             if type(token_id) is not int:
                 return None
-        logprobs = None
+        chosen = None
         for key, value in choice.items():
             if value is not None and key != "index" and key != "token_ids":
-                if key != "logprobs" or not self.logprobs:
+                if key != "logprobs" or not logprobs:
                     return None
-                logprobs = value
+                chosen = value
         model = body.get("model")
         prompt_tokens = body.get("prompt_tokens")
         if not (model is None or type(model) is str) or not (prompt_tokens is None or type(prompt_tokens) is int):
             return None
         known = self.known.get(request_id)
-        if known is None or not known.same(body.get("chat_request"), body.get("prompt_token_ids")):
+        if known is None or not known.same(body.get(request_key), body.get("prompt_token_ids")):
             return None
-        request = known.request
-        prompt_token_ids = known.prompt_token_ids
+        return _Call(state, request_id, index, token_ids, chosen, model, known.request, known.prompt_token_ids)
+
+    def answer(self, body: Any) -> Answer | None:
+        call = self._usual(body, LiveState, _BODY_FIELDS, "chat_request", self.layout, self.logprobs)
+        if call is None:
+            return None
+        state: LiveState = call.state
+        request, prompt_token_ids, token_ids, request_id = call.request, call.prompt_token_ids, call.token_ids, call.request_id
+        layout: _Layout = self.layout  # type: ignore[assignment]  # `_usual` saw it
         if (
             request.stop
             or request.return_token_ids
             or prompt_token_ids is None
             or not state.continues(request, prompt_token_ids)
             or len(prompt_token_ids) + state.token_count + len(token_ids) > self.max_model_len
-            or not self._model_supported(model)
+            or not self._model_supported(call.model)
             or not self.usable()
         ):
             return None
         stream = state.stream
         written_logprobs = b"null"
-        if logprobs is not None:
-            written = self._logprobs_json(stream, logprobs, state)
+        if call.logprobs is not None:
+            written = self._logprobs_json(stream, call.logprobs, state)
             if written is None:
                 return None
             written_logprobs = written
@@ -676,8 +814,8 @@ class ChunkLane:
             delta_fields: dict[str, Any] = {"role": delta.role, "content": delta.content, "reasoning": delta.reasoning}
         else:
             delta_fields = delta.model_dump()
-        created = int(time.time())
-        model_name = model or self.serving.models.model_name()
+        created, index = int(time.time()), call.index
+        model_name = call.model or self.serving.models.model_name()
         # Anything but text (a tool call, a parser's extra field, which may
         # hold a float orjson writes otherwise) is written as the slow path
         # writes it.
@@ -693,6 +831,75 @@ class ChunkLane:
         fields = layout.fields(request_id, created, model_name, index, delta_fields, json.loads(written_logprobs))
         answer = stream_answer(fields, new_state)
         stream.state_checked = answer.ok
+        return answer
+
+    def answer_completion(self, body: Any) -> Answer | None:
+        """A live completion stream's usual call, answered as vLLM's
+        ``derender_completion_stream`` and its handler answer it on the
+        slow path: the state's decode window stepped by the derenderer's
+        own fast decode (`fast.FastDerenderer.window_step`), the logprobs written from
+        the loaded chunk (`_completion_logprobs_json`), the state updated
+        as vLLM updates it, the chunk written in the models' field order.
+        Taken only where the state is the one the stream last handed out,
+        unchanged (`CompletionStream`), for the request it was made for,
+        and the handler's checks pass (a served model, no stop strings,
+        prompt ids within ``max_model_len``; it bounds nothing else). None
+        for anything else, and where a step raises: the slow path, which
+        changes nothing the lane reads, answers it (its error, say)."""
+        if not self.completions:
+            return None
+        call = self._usual(
+            body, DerenderStreamState, _COMPLETION_BODY_FIELDS, "completion_request", self.completion_layout,
+            self.completion_logprobs,
+        )  # fmt: skip
+        if call is None:
+            return None
+        layout: _Layout = self.completion_layout  # type: ignore[assignment]  # `_usual` saw it
+        state: DerenderStreamState = call.state
+        request, token_ids, logprobs, request_id = call.request, call.token_ids, call.logprobs, call.request_id
+        derenderer = self.derenderer
+        key = (request_id, call.index)
+        stream = derenderer.completion_streams.get(key)
+        if (
+            stream is None
+            or not stream.goes_on(state, request)
+            or request.stop
+            or request.return_token_ids
+            or (call.prompt_token_ids is not None and len(call.prompt_token_ids) > self.max_model_len)
+            or not derenderer.fast
+            or not self._model_supported(call.model)
+            or not self._quiet()
+        ):
+            return None
+        written_logprobs, end = b"null", None
+        try:
+            text, update = derenderer.window_step(token_ids, state, stream.skip_special)
+            if logprobs is not None:
+                written = self._completion_logprobs_json(stream, logprobs, state)
+                if written is None:
+                    return None
+                written_logprobs, end = written
+        except Exception:  # noqa: BLE001 - the slow path answers it as vLLM does
+            return None
+        # vLLM's next offset: after the last token where the chunk's
+        # logprobs hold one, else after the chunk's text.
+        text_offset = end if end is not None and logprobs["content"] else state.logprob_text_offset + len(text)
+        # vLLM's two copies (the window's, then the logprobs' fields), as one.
+        update["logprob_context_token_ids"] = _logprob_context_tail(state.logprob_context_token_ids, token_ids)
+        update["logprob_text_offset"] = text_offset
+        new_state = state.model_copy(update=update)
+        self.known.move_to_end(request_id)  # in use: the last to be forgotten
+        created, index = int(time.time()), call.index
+        model_name = call.model or self.serving.models.model_name()
+        try:
+            raw = layout.render(request_id, created, model_name, index, text, written_logprobs)
+        except TypeError:  # a string that is not UTF-8: json words the failure
+            fields = layout.fields(request_id, created, model_name, index, text, json.loads(written_logprobs))
+            answer = stream_answer(fields, new_state)
+        else:
+            answer = StreamAnswer(None, raw, new_state, dump_state)
+        if answer.ok:
+            derenderer.hand_out(key, new_state, request)
         return answer
 
     def _logprobs_json(self, stream: _LiveStream, logprobs: Any, state: LiveState) -> bytes | None:
@@ -716,16 +923,33 @@ class ChunkLane:
             or stream.logprob_options.get("return_tokens_as_token_ids")
         ):
             return None
-        # The stream endpoint checks no bound on a chunk's logprobs.
-        usual = raw_logprobs.usual_content(logprobs, sys.maxsize, -1)
+        usual = _usual_logprobs(logprobs, state.logprob_context_token_ids)
         if usual is None:
             return None
         if stream.processor.hide_metadata:
             return b"null"
-        context = state.logprob_context_token_ids
-        if not all(0 <= token_id < raw_logprobs._ID_BOUND for token_id in context):
+        return raw_logprobs.chat_json(fragments, usual, stream.top_limit, state.logprob_context_token_ids)
+
+    def _completion_logprobs_json(
+        self, stream: CompletionStream, logprobs: Any, state: DerenderStreamState
+    ) -> tuple[bytes, int] | None:
+        """A completion chunk's ``logprobs`` JSON and the text offset after
+        its last token, as vLLM resolves and converts them
+        (``_convert_chat_logprobs_to_completion_logprobs``, offsets from the
+        state's) and the endpoint writes them, written from the per-id
+        fragments (`logprobs.completion_stream_json`). None, for the slow
+        path, as for `_logprobs_json`, and where the state's offset is not
+        an int the models would write as it is (``true`` is ``1`` there) or
+        the offsets could pass what orjson writes."""
+        fragments = getattr(self.derenderer, "fragments", None)
+        offset = state.logprob_text_offset
+        if fragments is None or stream.as_ids or type(offset) is not int or not 0 <= offset < _OFFSET_BOUND:
             return None
-        return raw_logprobs.chat_json(fragments, usual, stream.top_limit, context)
+        context = state.logprob_context_token_ids
+        usual = _usual_logprobs(logprobs, context)
+        if usual is None:
+            return None
+        return raw_logprobs.completion_stream_json(fragments, usual, stream.top_limit, context, offset)
 
     def _model_supported(self, model: str | None) -> bool:
         """``BaseServing._is_model_supported``, once per model name: it
@@ -737,6 +961,19 @@ class ChunkLane:
         return supported
 
 
+def _usual_logprobs(logprobs: Any, context: Sequence[int]) -> raw_logprobs.Usual | None:
+    """A stream chunk's logprobs as loaded, where they are of the usual
+    shape (the stream endpoints check no bound on them) and the state's
+    context holds only ids the one-shot path sees there; else None."""
+    usual = raw_logprobs.usual_content(logprobs, sys.maxsize, -1)
+    bound = raw_logprobs._ID_BOUND
+    if usual is None or not all(type(token_id) is int and 0 <= token_id < bound for token_id in context):
+        return None
+    return usual
+
+
+_OFFSET_BOUND = 1 << 62
+"""Text offsets the lane writes from: orjson writes ints below 2**64."""
 _PLAIN_CHUNK = frozenset({"request_id", "choices"})
 _PLAIN_DELTA = ("role", "content", "reasoning")
 """A text delta's fields, in the order ``DeltaMessage`` dumps them."""

@@ -580,7 +580,7 @@ def _completion_json(
     width = kept.width
     groups_of_tokens: Any = zip(*[iter(tokens)] * width) if width else _grouped(tokens, ends)
     repeats = list(compress(count(), map(operator.ne, map(len, map(set, groups_of_tokens)), counts)))
-    if width:  # in columns, as in `_chat_columns`; a repeat's place padded
+    if width and _in_columns(len(keys), width):  # in columns, as in `_chat_columns`; a repeat's place padded
         step = 2 * width + 1
         merged: list[str] = [""] * (step * len(keys))
         merged[0::step] = heads

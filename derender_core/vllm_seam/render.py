@@ -332,6 +332,11 @@ class DerenderEngine(CodeAPI):
                     if answer is not None:
                         replays.gone_on += 1
                         return answer
+        elif self.live and self.decode == "fast":
+            # A live completion stream's usual call (fast path live_cmpl).
+            answer = self._chunk_lane().answer_completion(body)
+            if answer is not None:
+                return answer
         # A stream's request is validated once, as in live mode, where a
         # stream's calls go on from the previous one (`replay.ReplayStreams`).
         keeps = self._keeps_stream_requests()

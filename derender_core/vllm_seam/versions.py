@@ -27,6 +27,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "replay": ("0.33.0", "0.34.0"),
     "logprobs": ("0.33.0", "0.34.0"),
     "stream_lp": ("0.33.0", "0.34.0"),
+    "live_cmpl": ("0.33.0", "0.34.0"),
     "serve": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0", "0.34.0"),
 }
@@ -51,6 +52,13 @@ PROVEN: dict[str, tuple[str, ...]] = {
 - ``stream_lp``: a live chat chunk's logprobs of the usual shape taken by
   the chunk lane and written from the loaded chunk as the one-shot path
   writes them (`live.ChunkLane`; needs ``live`` and ``logprobs``);
+- ``live_cmpl``: a live completion chunk taken by the chunk lane
+  (`live.ChunkLane.answer_completion`): the usual chunk of a stream whose
+  state is the one its last answer handed out, stepped by the fast
+  decode and written from the loaded chunk, its logprobs of the usual
+  shape as the one-shot path writes them (`logprobs`), text offsets
+  counted on from the state's (needs ``live``, and ``logprobs`` for
+  chunks with logprobs);
 - ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
   a scripted engine core through private internals (no reference path:
   refused on other releases);
