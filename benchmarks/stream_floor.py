@@ -1,13 +1,17 @@
 """A live stream against vLLM's own per-chunk work on the same stream.
 
-    python benchmarks/stream_floor.py [--tokens 8192] [--repeat 5] [--top-logprobs 5]
+    python benchmarks/stream_floor.py [--tokens 8192] [--repeat 5] [--top-logprobs 5] [--endpoint completion]
 
 The stream is a Qwen3 + hermes answer of N output tokens (a reasoning
 trace, a short answer, one tool call), one token per chunk, then the usage
 chunk, as JSONL derender bodies. With --top-logprobs K the request asks
 for ``logprobs: true, top_logprobs: K`` and every chunk carries generate's
 logprobs (the sampled id, then K alternatives,
-`tests.sample_inputs.logprobs_for`).
+`tests.sample_inputs.logprobs_for`). With ``--endpoint completion`` it is a
+completion stream of N tokens of text (``logprobs: K`` with
+--top-logprobs K), whose floor (`CompletionFloor`) is the same decode step
+and the completion chunk's dict written, its logprobs as parallel lists
+with text offsets counted on across the chunks.
 
 - derender: the path a user runs, `derender stream --format sse` in
   process: the lines read (`records.iter_records`), `batch.run` with
@@ -51,7 +55,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
 from derender_core.writers import AssembledWriter, SseWriter
-from tests.sample_inputs import SampleBuilder, logprobs_for, qwen3_family, stream_bodies
+from tests.sample_inputs import SampleBuilder, StreamPlan, chunks_of, logprobs_for, qwen3_family, stream_bodies
 
 TARGET = 2.0
 _TOKEN_ID = itemgetter("token_id")
@@ -70,6 +74,7 @@ class StreamFloor:
     reference_us: float
     top: int | None = None
     """Top logprobs every chunk carries; None: no logprobs."""
+    endpoint: str = "chat"
 
     @property
     def ratio(self) -> float:
@@ -77,7 +82,7 @@ class StreamFloor:
 
     def lines(self) -> list[str]:
         return [
-            f"live stream, {self.tokens} tokens, one per chunk, {self.chunks} chunks"
+            f"live {self.endpoint} stream, {self.tokens} tokens, one per chunk, {self.chunks} chunks"
             f"{'' if self.top is None else f', logprobs with top {self.top}'}, to SSE (CPU per chunk):",
             f"  derender                 {self.derender_us:8.1f} us",
             f"  floor (vLLM's own work)  {self.floor_us:8.1f} us",
@@ -184,6 +189,104 @@ class Floor:
                 raise SystemExit("the floor's logprobs are not derender's")
 
 
+class CompletionFloor:
+    """vLLM's per-chunk work on one completion stream: the decode step
+    (as `Floor`'s, seeded with the prompt) and the completion chunk's dict
+    written by orjson; with logprobs, each chunk's sampled id and kept
+    alternatives decoded (`record_floor.LogprobPieces`, the stream's
+    earlier sampled ids as the correction's context) and written as the
+    completion endpoint's parallel lists, text offsets counted on across
+    chunks."""
+
+    def __init__(self, engine: DerenderEngine, bodies: list[dict[str, Any]]) -> None:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        self.backend = engine._serving.online_derenderer.tokenizer.backend_tokenizer
+        first = bodies[0]
+        self.request = CompletionRequest.model_validate(first["completion_request"])
+        self.prompt = first["prompt_token_ids"]
+        self.model = first["model"]
+        self.chunks = [body["generate_chunk"] for body in bodies]
+        self.top = self.request.logprobs
+        self.pieces = LogprobPieces(self.backend)
+
+    def stream(self) -> tuple[str, dict[str, list[Any]]]:
+        """The text, and the logprobs' lists joined, for the check."""
+        from tokenizers.decoders import DecodeStream
+
+        backend, model, top = self.backend, self.model, self.top
+        step = DecodeStream(ids=self.prompt, skip_special_tokens=True).step
+        content, context, offset = self.pieces.content, [], 0
+        texts: list[str] = []
+        joined: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for chunk in self.chunks:
+            out: dict[str, Any] = {"id": chunk["request_id"], "object": "text_completion",
+                                   "created": int(time.time()), "model": model}  # fmt: skip
+            if chunk["choices"]:
+                choice = chunk["choices"][0]
+                ids = choice["token_ids"]
+                text = "".join([step(backend, i) or "" for i in ids])
+                texts.append(text)
+                written = None
+                if top is not None:
+                    # The completion endpoint keeps ``logprobs + 1`` candidates.
+                    chosen = [(entry, *entry["top_logprobs"][: top + 1]) for entry in choice["logprobs"]["content"]]
+                    entries = content(chosen, _TOKEN_ID, _LOGPROB, context)
+                    context = (context + ids)[-4:]
+                    offsets, tokens = [], []
+                    for entry in entries:
+                        offsets.append(offset)
+                        tokens.append(entry["token"])
+                        offset += len(entry["token"])
+                    written = {
+                        "text_offset": offsets,
+                        "token_logprobs": [entry["logprob"] for entry in entries],
+                        "tokens": tokens,
+                        "top_logprobs": [{c["token"]: c["logprob"] for c in entry["top_logprobs"]} for entry in entries],
+                    }
+                    for key, values in written.items():
+                        joined[key] += values
+                out["choices"] = [{"index": choice["index"], "text": text, "logprobs": written,
+                                   "finish_reason": choice["finish_reason"]}]  # fmt: skip
+            else:
+                out["choices"] = []
+                out["usage"] = chunk["usage"]
+            orjson.dumps(out)
+        return "".join(texts), joined
+
+    def check(self, assembled: dict[str, Any]) -> None:
+        """The floor's text, and with logprobs its logprobs, are derender's."""
+        text, logprobs = self.stream()
+        choice = assembled["choices"][0]
+        if choice["text"] != text or not text:
+            raise SystemExit(f"the floor is not derender's answer:\n  derender {choice['text'][:200]!r}\n  floor    {text[:200]!r}")
+        if self.top is not None and orjson.dumps(choice["logprobs"]) != orjson.dumps(logprobs):
+            raise SystemExit("the floor's logprobs are not derender's")
+
+
+def completion_plan(builder: SampleBuilder, tokens: int, top: int | None) -> StreamPlan:
+    """A completion stream of exactly `tokens` ids of text, one a chunk,
+    finished by length; ``logprobs: top`` where `top` is given."""
+    filler: list[int] = []
+    step = 0
+    while len(filler) < tokens:
+        filler += builder.encode(" ".join(f"step {i} checks the forecast." for i in range(step, step + 500)))
+        step += 500
+    prompt = "Think hard about the forecast:"
+    request: dict[str, Any] = {"model": builder.family.served_name, "prompt": prompt, "stream": True,
+                               "stream_options": {"include_usage": True}}  # fmt: skip
+    if top is not None:
+        request["logprobs"] = top
+    return StreamPlan(
+        request_id=f"floor-completion-{tokens}",
+        prompt=builder.encode(prompt),
+        request=request,
+        choices=[chunks_of(filler[:tokens], [1])],
+        finish_reason="length",
+        request_key="completion_request",
+    )
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """CPU seconds `fn` takes: on a shared machine, what others run does
     not count, as wall time would."""
@@ -192,13 +295,19 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.process_time() - started
 
 
-def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: int | None = None) -> StreamFloor:
+def measure(
+    engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: int | None = None, endpoint: str = "chat"
+) -> StreamFloor:
     """The figures for one stream of `tokens` output tokens on `engine`
     (the sample's Qwen3 + hermes engine), best of `repeat` each; with
-    `top`, every chunk carries logprobs with that many alternatives."""
+    `top`, every chunk carries logprobs with that many alternatives; a
+    chat stream, or with `endpoint` "completion" a completion stream."""
     builder = SampleBuilder(qwen3_family(REPO / "sample_data" / "qwen3"))
-    plan = plan_of_length(builder, tokens)
-    if top is not None:
+    if endpoint == "completion":
+        plan = completion_plan(builder, tokens, top)
+    else:
+        plan = plan_of_length(builder, tokens)
+    if top is not None and endpoint == "chat":
         plan = dataclasses.replace(plan, request={**plan.request, "logprobs": True, "top_logprobs": top})
     bodies = stream_bodies(builder, [plan])
     if top is not None:
@@ -206,7 +315,8 @@ def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: in
             for choice in body["generate_chunk"]["choices"]:
                 choice["logprobs"] = logprobs_for(choice["token_ids"], top=top + 1)
     data = b"\n".join(orjson.dumps(body) for body in bodies) + b"\n"
-    job = Job(Endpoint.CHAT, stream=True)
+    kind = Endpoint.of(endpoint)
+    job = Job(kind, stream=True)
     live = engine.in_mode(live=True, decode="fast")
     reference = engine.in_mode(live=True, decode="reference")
 
@@ -217,8 +327,9 @@ def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: in
             raise SystemExit(f"derender failed: {report.failures}")
 
     out = io.BytesIO()
-    run(live, iter_records(io.BytesIO(data)), job, AssembledWriter(out, Endpoint.CHAT, live.chat_response))
-    floor = Floor(engine, bodies)
+    finish = live.chat_response if kind is Endpoint.CHAT else live.completion_response
+    run(live, iter_records(io.BytesIO(data)), job, AssembledWriter(out, kind, finish))
+    floor: Floor | CompletionFloor = Floor(engine, bodies) if kind is Endpoint.CHAT else CompletionFloor(engine, bodies)
     floor.check(orjson.loads(out.getvalue()))
     derender()  # warm
     times: dict[str, list[float]] = {"derender": [], "floor": [], "reference": []}
@@ -234,6 +345,7 @@ def measure(engine: DerenderEngine, tokens: int = 8192, repeat: int = 5, top: in
         floor_us=min(times["floor"]) / chunks * 1e6,
         reference_us=min(times["reference"]) / chunks * 1e6,
         top=top,
+        endpoint=endpoint,
     )
 
 
@@ -242,11 +354,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--top-logprobs", type=int, default=None, help="every chunk carries logprobs with K alternatives")
+    parser.add_argument("--endpoint", choices=("chat", "completion"), default="chat", help="a chat or a completion stream")
     args = parser.parse_args()
     engine, startup = sample_engine()
     print(f"start-up (excluded below): {startup:.1f} s")
     try:
-        figures = measure(engine, args.tokens, args.repeat, args.top_logprobs)
+        figures = measure(engine, args.tokens, args.repeat, args.top_logprobs, args.endpoint)
     finally:
         engine.close()
     print("\n".join(figures.lines()))
