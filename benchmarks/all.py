@@ -18,7 +18,7 @@ everywhere):
 3. stream: a live 8,192-token stream, one token per chunk, against the work
    vLLM itself must do per chunk (`stream_floor.measure`), then the same
    stream with 5 top logprobs on every chunk (its floor's logprobs checked
-   equal to derender's);
+   equal to derender's), and a completion stream with ``logprobs: 5``;
 4. ray: one Ray actor against one local worker (`ray_actor.measure`);
 5. logprobs: one-shot records with logprobs against their logprob floor
    (`logprobs.measure` in benchmarks/logprobs.py: chat at 400 and 8,000 tokens with top 0, 5 and 20,
@@ -152,10 +152,16 @@ def stream_section(engine: DerenderEngine, quick: bool, repeat: int) -> list[Ver
               "cost per chunk over vLLM's) and .lines()")  # fmt: skip
         return [Verdict(name, None, STREAM_TARGET, at_most=True)]
     verdicts = []
-    for top, label in ((None, name), (5, "live 8k stream, top 5 logprobs / vLLM's per-chunk work")):
+    streams = (
+        (None, "chat", name),
+        (5, "chat", "live 8k stream, top 5 logprobs / vLLM's per-chunk work"),
+        (5, "completion", "live 8k completion, logprobs 5 / vLLM's per-chunk work"),
+    )
+    for top, endpoint, label in streams:
         figures = _call_with(
-            stream_floor.measure, tokens=8192, repeat=1 if quick else min(repeat, 3), engine=engine, quick=quick, top=top
-        )
+            stream_floor.measure, tokens=8192, repeat=1 if quick else min(repeat, 3), engine=engine, quick=quick,
+            top=top, endpoint=endpoint,
+        )  # fmt: skip
         lines = figures.lines() if hasattr(figures, "lines") else [repr(figures)]
         print("\n".join(lines))
         ratio = figures["ratio"] if isinstance(figures, dict) else getattr(figures, "ratio", None)
