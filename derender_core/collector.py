@@ -14,8 +14,10 @@ logprobs (`benchmarks/logprobs.py`).
 `records_pace` raises the young threshold while records are answered, so
 that what a record allocates and frees nets out before a collection comes
 due. Cycles are still collected, later: at most `YOUNG_THRESHOLD`
-surviving containers (a few MB) wait for a pass. A threshold the caller set
-to 0 (automatic collection off) or above ours is left as it is.
+surviving containers wait for a pass, and with them whatever a cycle among
+them holds; answering a record leaves none
+(`tests/test_collector.py`). A threshold the caller set to 0 (automatic
+collection off) or above ours is left as it is.
 """
 
 from __future__ import annotations

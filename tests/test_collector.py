@@ -93,3 +93,29 @@ def test_a_run_answers_at_the_raised_pace_and_puts_the_callers_back(
     assert report.records == 4 and report.errors == 0
     assert set(seen) == {(YOUNG_THRESHOLD, 10, 10)}
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_answering_records_leaves_no_cyclic_garbage(sample_engine: DerenderEngine) -> None:
+    """What the raised threshold relies on: a record's containers are freed
+    by reference counting alone, so nothing a record leaves waits for a
+    collection (which, at the raised threshold, comes later). One-shot
+    records, refused and malformed ones among them, and a live stream's
+    calls, with the collector off while they are answered (after a first
+    run, which builds what is built once)."""
+    chat = (REPO / "sample_data" / "chat.jsonl").read_bytes()
+    refused = b'{"generate_response": {"choices": []}}\n{"generate_response": [1, 2\n'
+    streams = (REPO / "sample_data" / "stream.jsonl").read_bytes()
+    for lines, job in ((chat + refused, Job(Endpoint.CHAT, stream=False)), (streams, Job(Endpoint.CHAT, stream=True))):
+        engine = sample_engine.in_mode(live=True)
+        for _ in range(2):
+            gc.collect()
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                report = run(engine, iter_records(io.BytesIO(lines), digests=False), job, JsonlWriter(target=io.BytesIO()))
+                left = gc.collect()
+            finally:
+                if enabled:
+                    gc.enable()
+            assert report.records > 0
+        assert left == 0, f"{left} objects in cycles after {report.records} records ({job})"
