@@ -83,9 +83,9 @@ class Verdict:
     def __str__(self) -> str:
         sign = "<=" if self.at_most else ">="
         if self.figure is None:
-            return f"  {self.name:58} {'-':>9}   (target {sign} {self._fmt(self.target)})  MISS (not measured)"
+            return f"  {self.name:60} {'-':>9}   (target {sign} {self._fmt(self.target)})  MISS (not measured)"
         verdict = "PASS" if self.passed else "MISS"
-        return f"  {self.name:58} {self._fmt(self.figure):>9}   (target {sign} {self._fmt(self.target)})  {verdict}"
+        return f"  {self.name:60} {self._fmt(self.figure):>9}   (target {sign} {self._fmt(self.target)})  {verdict}"
 
     def _fmt(self, value: float) -> str:
         return f"{value:.1%}" if self.unit == "%" else f"{value:.2f}x"
