@@ -546,7 +546,10 @@ def test_cli_killed_at_a_random_point_then_resumed(
         job = Job(Endpoint.CHAT)
     else:
         lines = []
-        for copy in range(30):  # the sample's interleaved streams, under new request ids
+        # The sample's interleaved streams, under new request ids; 300 copies
+        # for the same reason (CI's machine took 0.23 s for 30 copies, so the
+        # signal mostly came after the run).
+        for copy in range(300):
             for body in stream_bodies(stack.builder):
                 chunk = {**body["generate_chunk"], "request_id": f"{body['generate_chunk']['request_id']}-{copy}"}
                 lines.append(orjson.dumps({**body, "generate_chunk": chunk}))
@@ -560,7 +563,13 @@ def test_cli_killed_at_a_random_point_then_resumed(
     status, stderr = kill_while_writing(process, output, signum, rng, group=group)
     written = output.read_bytes()
     kept = written[: written.rfind(b"\n") + 1]
-    if signum != signal.SIGKILL and status != 0:
+    finished = status == 0 or (status == -signum and signum != signal.SIGKILL)
+    if finished and b"stopped by" not in stderr:
+        # The run was done before the signal came: it exited, or the signal
+        # came in the interpreter's last moments, when every handler is the
+        # default again, as for any program. Either way the output is whole.
+        assert normalized_bytes(written) == normalized_bytes(expected), f"seed {seed}"
+    elif signum != signal.SIGKILL:
         assert status == 128 + signum, stderr.decode()[-2000:]
         assert b"could not finish" not in stderr, stderr.decode()[-2000:]
         assert kept == written, "a handled signal leaves whole lines only"
