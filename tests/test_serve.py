@@ -19,6 +19,7 @@ its logprobs against the derender endpoint's.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import inspect
 import io
@@ -29,8 +30,9 @@ from typing import Any
 
 import orjson
 import pytest
+import tokenizers
 
-from derender_core import Endpoint
+from derender_core import Endpoint, ServeEngine
 from derender_core.batch import Job
 from derender_core.parity import DERENDER_MODES, Chunking, Parity, requests_of
 from derender_core.protocol import DERENDER_ENDPOINTS, WINDOW, FramesAnswer
@@ -565,3 +567,22 @@ def test_parity_in_windows_is_parity_one_request_at_a_time(qwen3_stack: Stack, q
     assert any(e[1] for e in alone[:-1]) and any(e[2] for e in alone[:-1])  # divergences and log lines to keep
     assert examined(32) == alone
     assert examined(4) == alone
+
+
+def test_a_closed_serve_stack_leaves_no_tokenizer_behind(qwen3_serve: ServeStack) -> None:
+    """A serve stack's tokenizer is a pool of deep copies (vLLM's
+    ``maybe_make_thread_pool``), which vLLM's ``supports_kw`` memo held on
+    to after the stack closed: about 145 MB a stack for Qwen3's vocabulary,
+    up to 128 stacks. A process that builds one stack after another (a
+    parity run per configuration, a library loop, this suite) keeps its
+    size."""
+
+    def live_tokenizers() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, tokenizers.Tokenizer))
+
+    ServeEngine.build(qwen3_serve.config).close()
+    before = live_tokenizers()
+    for _ in range(2):
+        ServeEngine.build(qwen3_serve.config).close()
+    assert live_tokenizers() == before

@@ -426,6 +426,25 @@ async def _serve_stack(args: Any, resources: contextlib.AsyncExitStack) -> tuple
     return state, core
 
 
+def _forget_signatures() -> None:
+    """Empty vLLM's ``supports_kw`` memo, so that a closed stack's
+    tokenizer copies go with it.
+
+    The stack's renderer reads its tokenizer's ``apply_chat_template``
+    signature through that memo (an ``lru_cache`` of 128 entries), keyed
+    by the function. The tokenizer is a pool (vLLM's
+    ``maybe_make_thread_pool``): a class made per stack, whose method's
+    closure holds the pool's deep copies of the tokenizer. So every stack
+    built and closed left them pinned until 128 later entries pushed them
+    out, about 145 MB a stack for Qwen3's vocabulary. The memo only spares
+    a signature read; a live stack reads its own again once."""
+    from vllm.utils import func_utils
+
+    cache_clear = getattr(getattr(func_utils, "_supports_kw", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
 async def _until_idle() -> None:
     """Run the loop until every task waits for something only a new engine
     step (or a thread) can give.
@@ -772,6 +791,7 @@ class ServeEngine(DerenderEngine):
         # vLLM's AsyncLLM shuts down again when collected; let that happen
         # now rather than at interpreter exit, when its imports are gone.
         self._state = self._serving = self._core = None
+        _forget_signatures()
         gc.collect()
 
     async def _shutdown(self) -> None:
