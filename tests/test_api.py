@@ -5,15 +5,17 @@ The Ray Data way is `test_ray.py::test_map_batches_with_a_shipped_model_answers_
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from typing import Any
 
 import pytest
 
-from derender_core import Endpoint, RenderError, engine_for, release_engines
+from derender_core import DerenderEngine, Endpoint, RenderError, engine_for, release_engines
 from tests.conftest import Stack, sample_config
 from tests.helpers import normalize
 from tests.sample_inputs import chat_bodies, completion_bodies
@@ -263,3 +265,23 @@ def test_workers_forked_from_a_used_engine_answer_as_the_server(qwen3_stack: Sta
     assert done.stdout.decode().split() == ["0"]
     served = [qwen3_stack.server.post(Endpoint.CHAT, body).json() for body in read_jsonl(SAMPLE / "chat.jsonl")]
     assert normalize(read_jsonl(out)) == normalize(served)
+
+
+def test_a_closed_engine_goes_with_its_stack(qwen3_stack: Stack) -> None:
+    """An engine closed and dropped takes its stack with it (vLLM's serving
+    objects, the derenderer and its token tables): a process that builds
+    engine after engine, for one model or many (a library loop, this
+    suite), keeps only the live ones. A memo keyed by the stack (the fast
+    decode's one-shot handlers) used to hold every one used."""
+    body = next(iter(chat_bodies(qwen3_stack.builder)))
+
+    def used_and_closed(mode: dict[str, Any]) -> weakref.ref[Any]:
+        engine = DerenderEngine.build(qwen3_stack.config)
+        assert engine.in_mode(**mode).post(Endpoint.CHAT, json.loads(json.dumps(body))).ok
+        stack = weakref.ref(engine._serving)
+        engine.close()
+        return stack
+
+    stacks = [used_and_closed(mode) for mode in ({}, {"live": True}, {"decode": "reference"})]
+    gc.collect()
+    assert [stack() for stack in stacks] == [None, None, None]

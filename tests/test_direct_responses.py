@@ -153,11 +153,10 @@ def test_the_direct_answers_are_vllms_handlers_answers(
 def _handled(engine: DerenderEngine, endpoint: Endpoint, body: dict[str, Any]) -> Any:
     """What the fast decode's handler answers for `body`, before it is
     written: a dict (written directly), a response model or an error."""
-    from derender_core.vllm_seam.render import _direct_responses
-
     engine.post(endpoint, copy.deepcopy(body))  # the parsers' lexicon, shared
     request = engine._validated(endpoint, copy.deepcopy(body))
-    direct = _direct_responses(engine._serving)
+    direct = engine._direct
+    assert direct is not None
     handler = direct.chat if endpoint is Endpoint.CHAT else direct.completion
     return engine._run(handler(request))
 

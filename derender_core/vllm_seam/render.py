@@ -113,6 +113,9 @@ class DerenderEngine(CodeAPI):
         self._fast_paths = _fast_paths(serving)
         """Which fast paths this engine may take: proven on the installed
         vLLM (`versions`) and built into its stack."""
+        self._direct = _direct_responses(serving) if self._fast_paths.responses else None
+        """The fast decode's one-shot handlers, made once per stack and
+        shared by its modes (`in_mode`); they go with the engine."""
         self.live = live and self._fast_paths.live
         """Live streaming (parser state kept between calls); on a vLLM the
         live path was not proven on, every call runs the server's replay."""
@@ -618,7 +621,8 @@ class DerenderEngine(CodeAPI):
         if self.decode == "fast" and self._fast_paths.responses:
             # vLLM's handlers, writing the dict their models would only be
             # dumped to (`responses.DirectResponses`).
-            direct = _direct_responses(self._serving)
+            direct = self._direct
+            assert direct is not None  # made where the path is proven
             result = await (direct.chat(request) if endpoint is Endpoint.CHAT else direct.completion(request))
         elif endpoint is Endpoint.CHAT:
             result = await self._serving.derender_chat_response(request)
@@ -667,10 +671,11 @@ class DerenderEngine(CodeAPI):
         return Answer(response.status_code, bytes(response.body))
 
 
-@functools.cache
 def _direct_responses(serving: Any) -> DirectResponses:
-    """The fast decode's one-shot handlers over `serving`, made once per
-    stack (vLLM's models dump their templates then)."""
+    """The fast decode's one-shot handlers over `serving` (vLLM's models
+    dump their templates then). Kept by the engine, not in a memo keyed by
+    `serving`, which held every stack ever built, its tokenizer and tables
+    with it."""
     from .responses import DirectResponses
 
     return DirectResponses(serving)
