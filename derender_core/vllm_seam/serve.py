@@ -790,7 +790,7 @@ class ServeEngine(DerenderEngine):
         self._loop.close()
         # vLLM's AsyncLLM shuts down again when collected; let that happen
         # now rather than at interpreter exit, when its imports are gone.
-        self._state = self._serving = self._core = None
+        self._state = self._serving = self._core = self._direct = None
         _forget_signatures()
         gc.collect()
 
