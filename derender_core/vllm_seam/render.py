@@ -75,6 +75,10 @@ class DerenderEngine(CodeAPI):
     mode over the same stack, without a second start-up.
     """
 
+    _answers_directly = True
+    """Whether one-shot calls take the fast decode's own handlers where
+    that path is proven (`responses.DirectResponses`)."""
+
     def __init__(
         self,
         serving: Any,
@@ -113,7 +117,7 @@ class DerenderEngine(CodeAPI):
         self._fast_paths = _fast_paths(serving)
         """Which fast paths this engine may take: proven on the installed
         vLLM (`versions`) and built into its stack."""
-        self._direct = _direct_responses(serving) if self._fast_paths.responses else None
+        self._direct = _direct_responses(serving) if self._answers_directly and self._fast_paths.responses else None
         """The fast decode's one-shot handlers, made once per stack and
         shared by its modes (`in_mode`); they go with the engine."""
         self.live = live and self._fast_paths.live

@@ -617,6 +617,7 @@ class ServeEngine(DerenderEngine):
     """
 
     window = WINDOW
+    _answers_directly = False  # every call goes to vllm serve's handlers (`_dispatch`)
 
     def __init__(
         self,
@@ -790,7 +791,7 @@ class ServeEngine(DerenderEngine):
         self._loop.close()
         # vLLM's AsyncLLM shuts down again when collected; let that happen
         # now rather than at interpreter exit, when its imports are gone.
-        self._state = self._serving = self._core = self._direct = None
+        self._state = self._serving = self._core = None
         _forget_signatures()
         gc.collect()
 
