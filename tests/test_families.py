@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import gc
 import io
 import json
@@ -33,6 +34,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -365,6 +367,7 @@ def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeyp
         return installed(config, tokenizer)
 
     parsers.lexicons_of(tokenizer).clear()
+    parsers.engines_of(tokenizer).clear()  # whose templates hold the lexicons they were built with
     with monkeypatch.context() as patch:
         patch.setattr(streaming_parser_engine, "_build_drop_info", counted)
         assert family.engine.in_mode(decode="reference").post(Endpoint.CHAT, body).ok
@@ -376,6 +379,77 @@ def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeyp
     build = parsers.vllm_build_drop_info()
     for config, info in shared:
         assert _lexicon(info) == _lexicon(build(config, tokenizer))
+
+
+def _engine_state(engine: Any, config: Any, tokenizer: Any) -> dict[str, Any]:
+    """Everything a ``StreamingParserEngine`` holds, as plain values: its
+    scanner and lexer by their own attributes, a lexer shape by its content
+    (`_lexicon`), its config and tokenizer by identity."""
+
+    def plain(value: Any) -> Any:
+        if value is config or value is tokenizer:
+            return ("same object", id(value))
+        if type(value).__name__ == "LexerShape":
+            return _lexicon(SimpleNamespace(lexer_shape=value, extra_token_ids=None))
+        if type(value).__name__ in ("TokenIDScanner", "IncrementalLexer"):
+            return (type(value).__name__, {k: plain(v) for k, v in vars(value).items()})
+        if type(value).__name__ == "TerminalDef":  # a compiled pattern by its text and flags
+            return (value.name, value.pattern.pattern, value.pattern.flags, value.is_literal, value.literal)
+        if type(value) in (list, tuple):
+            return type(value)(map(plain, value))
+        return value
+
+    return {name: plain(value) for name, value in vars(engine).items()}
+
+
+_READ_ONLY_SHARED = {"config", "_resolved_token_ids"}
+"""What two engines made from one template may hold as the same object:
+the config, which vLLM shares between all parsers of a config, and the
+token-id terminal map, which neither the engine nor its scanner writes to
+after ``__init__`` (frozensets, strings and other immutable values aside)."""
+
+
+@requires_fast("decode")
+def test_shared_parser_engines_are_vllms_fresh_builds(family: Stack, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each parser engine the fast decode makes from a template
+    (`vllm_seam.parsers.fresh_engine`) is, attribute for attribute, the
+    engine vLLM's own ``__init__`` builds for that config, tokenizer and
+    vocabulary, after the family's whole corpus ran through the templates;
+    two such engines share no container that either writes to; and the
+    reference decode makes none."""
+    from vllm.parser.engine import parser_engine
+
+    from derender_core.vllm_seam import parsers
+
+    name = family.builder.family.served_name
+    tokenizer = family.engine._serving.online_derenderer.tokenizer
+    built: list[Any] = []
+    installed = parser_engine.StreamingParserEngine
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built.append(args)
+        return installed(*args, **kwargs)
+
+    parsers.engines_of(tokenizer).clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(parser_engine, "StreamingParserEngine", counted)
+        assert family.engine.in_mode(decode="reference").post(Endpoint.CHAT, one_shot_body(run.plans[0], name)).ok
+    assert parsers.engines_of(tokenizer) == {}  # vLLM's own class built each one
+    for plan in run.plans:  # the corpus again, from templates after its first answer
+        family.engine.post(Endpoint.CHAT, one_shot_body(plan, name))
+    templates = list(parsers.engines_of(tokenizer).values())
+    assert bool(templates) == bool(built), (len(built), len(templates))
+    engine_class = parsers.vllm_engine_class()
+    for config, vocab, template in templates:
+        for initial_state in (None, config.initial_state):
+            made = parsers.fresh_engine(template, tokenizer, initial_state)
+            fresh = engine_class(config, tokenizer, initial_state=initial_state, vocab=vocab)
+            assert type(made) is type(fresh)
+            assert _engine_state(made, config, tokenizer) == _engine_state(fresh, config, tokenizer)
+        first, second = (parsers.fresh_engine(template, tokenizer) for _ in range(2))
+        for attribute, value in vars(first).items():
+            if attribute not in _READ_ONLY_SHARED and value is vars(second)[attribute]:
+                assert isinstance(value, (str, int, float, bool, frozenset, tuple, type(None), enum.Enum)), attribute
 
 
 def release() -> str:

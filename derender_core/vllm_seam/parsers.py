@@ -1,6 +1,7 @@
 """vLLM's parser engine (``vllm.parser.engine``): the lexicon of special
-tokens a parser drops, built once per engine config and tokenizer while the
-fast decode runs, not once per request.
+tokens a parser drops, and the rest of what its ``StreamingParserEngine``
+derives from the config, built once per engine config and tokenizer while
+the fast decode runs, not once per request.
 
 vLLM builds one parser per request, as it must: a parser is stateful. Every
 engine-based parser's ``StreamingParserEngine.__init__`` calls
@@ -18,13 +19,29 @@ drops, ``ParserEngineConfig.lexer_shape``). The configs come from
 object and the tokenizer object are the key. Parsers stay vLLM's, built per
 request as vLLM builds them; only this pure part is shared.
 
+The rest of ``StreamingParserEngine.__init__`` is the same kind of work
+(another 14 µs of a Qwen3 parser): it resolves the config's token-id
+terminals against the vocabulary and derives three sets of terminal names
+from the config's transitions. The engine itself writes in place only to
+its ``TokenIDScanner`` and ``IncrementalLexer``; everything else it holds
+is either read-only after ``__init__`` or set anew by ``reset()``, which
+vLLM documents as reuse across requests ("preserves cached immutable
+structures"). So `fresh_engine` builds an engine from a template that
+vLLM's own ``__init__`` built for that config, tokenizer and vocabulary:
+the template's attributes, a new scanner and lexer made by their own
+constructors with the arguments ``__init__`` gives them, and vLLM's
+``reset()``. Each engine still gets its own state.
+
 Sharing is on only while `SHARING` is set: `render.DerenderEngine.post`
 sets it for the fast decode's calls; ``--decode reference`` and the serve
-path run vLLM's function as it is.
+path run vLLM's functions as they are.
 ``tests/test_families.py`` checks, on every family's tokenizer, that each
 shared lexicon equals vLLM's fresh build after the family's corpus ran
-through it, that the reference decode shares none, and that fast answers
-equal the reference's byte for byte.
+through it, that each engine made from a template is, attribute for
+attribute, the engine vLLM's ``__init__`` builds, with no container it
+writes to shared with another, that the reference decode shares none,
+and that fast answers (one-shot and live, streams interleaved) equal the
+reference's byte for byte.
 """
 
 from __future__ import annotations
@@ -75,13 +92,20 @@ _KEPT_ON = "_derender_drop_lexicons"
 long as the tokenizer does, as vLLM keeps its leading-space marker."""
 
 
+_ENGINES_ON = "_derender_parser_engines"
+"""The tokenizer attribute that keeps its template engines."""
+
+
 @functools.cache
 def install() -> None:
-    """Put the sharing wrapper where ``StreamingParserEngine.__init__``
-    looks the function up (a module global, read at each call)."""
-    from vllm.parser.engine import streaming_parser_engine
+    """Put the sharing wrappers where vLLM looks the functions up (module
+    globals, read at each call): ``_build_drop_info`` where
+    ``StreamingParserEngine.__init__`` calls it, and the engine class where
+    ``ParserEngine.__init__``, its one caller, builds it."""
+    from vllm.parser.engine import parser_engine, streaming_parser_engine
 
     streaming_parser_engine._build_drop_info = _sharing_wrapper(streaming_parser_engine._build_drop_info)
+    parser_engine.StreamingParserEngine = _sharing_engines(parser_engine.StreamingParserEngine)
 
 
 def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
@@ -90,6 +114,13 @@ def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
 
     built = streaming_parser_engine._build_drop_info
     return getattr(built, "__wrapped__", built)
+
+
+def vllm_engine_class() -> type:
+    """vLLM's own ``StreamingParserEngine``: the tests' reference."""
+    from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
+
+    return StreamingParserEngine
 
 
 def lexicons_of(tokenizer: Any) -> Remembered[int, tuple[Any, Any]]:
@@ -112,3 +143,49 @@ def _sharing_wrapper(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], A
         return build(config, tokenizer)
 
     return build_drop_info
+
+
+def engines_of(tokenizer: Any) -> Remembered[tuple[int, int], tuple[Any, Any, Any]]:
+    """(id(config), id(vocab)) -> (config, vocab, template engine): the
+    template engines kept for `tokenizer`. An entry holds its config and
+    vocabulary, so their ids stay theirs while it is kept."""
+    kept = vars(tokenizer).get(_ENGINES_ON)
+    if kept is None:
+        kept = Remembered(LEXICONS_KEPT)
+        setattr(tokenizer, _ENGINES_ON, kept)
+    return kept  # type: ignore[no-any-return]
+
+
+def fresh_engine(template: Any, tokenizer: Any, initial_state: Any = None) -> Any:
+    """A new ``StreamingParserEngine``, as vLLM's ``__init__`` would build
+    it for the template's config, `tokenizer` and vocabulary, with
+    `initial_state`: the template's read-only parts, a scanner and a lexer
+    of its own, and the per-request state set by vLLM's ``reset()``."""
+    from vllm.parser.engine.incremental_lexer import IncrementalLexer
+    from vllm.parser.engine.token_id_scanner import TokenIDScanner
+
+    engine = object.__new__(type(template))
+    vars(engine).update(vars(template))
+    lexer = template._lexer
+    engine._scanner = TokenIDScanner(template._resolved_token_ids, tokenizer)
+    engine._lexer = IncrementalLexer(lexer._shape, content_terminal=lexer.content_terminal)
+    engine.skip_tool_parsing = False
+    engine.skip_reasoning_parsing = False
+    engine.reset(initial_state=initial_state)
+    return engine
+
+
+def _sharing_engines(engine_class: type) -> Callable[..., Any]:
+    def StreamingParserEngine(  # noqa: N802 - it stands where the class was named
+        config: Any, tokenizer: Any, initial_state: Any = None, vocab: dict[str, int] | None = None
+    ) -> Any:
+        if SHARING.get() and hasattr(tokenizer, "__dict__"):
+            # The template is built by vLLM's own __init__ on first use.
+            template = engines_of(tokenizer).get_or_make(
+                (id(config), id(vocab)), lambda: (config, vocab, engine_class(config, tokenizer, vocab=vocab))
+            )[2]
+            return fresh_engine(template, tokenizer, initial_state)
+        return engine_class(config, tokenizer, initial_state=initial_state, vocab=vocab)
+
+    StreamingParserEngine.__wrapped__ = engine_class  # type: ignore[attr-defined]
+    return StreamingParserEngine

@@ -34,7 +34,8 @@ PROVEN: dict[str, tuple[str, ...]] = {
 """Each fast path and the vLLM releases its differential tests passed on:
 
 - ``decode``: the batched decode (`fast.FastDerenderer`, `fast.TokenTable`)
-  in place of vLLM's per-token steps, and the parsers' shared lexicon;
+  in place of vLLM's per-token steps, and the parsers' shared lexicon and
+  engine templates (`parsers`);
 - ``requests``: the usual chat request built as validation builds it
   (`requests.ChatRequests`) and the one-shot body validated alone;
 - ``responses``: the one-shot handlers writing the dicts vLLM's models
