@@ -127,11 +127,7 @@ def lexicons_of(tokenizer: Any) -> Remembered[int, tuple[Any, Any]]:
     """id(config) -> (config, lexicon): the lexicons shared for `tokenizer`.
     An entry holds its config, so no other config can take its id while it
     is kept."""
-    kept = vars(tokenizer).get(_KEPT_ON)
-    if kept is None:
-        kept = Remembered(LEXICONS_KEPT)
-        setattr(tokenizer, _KEPT_ON, kept)
-    return kept  # type: ignore[no-any-return]
+    return _kept_on(tokenizer, _KEPT_ON)
 
 
 def _sharing_wrapper(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -149,10 +145,15 @@ def engines_of(tokenizer: Any) -> Remembered[tuple[int, int], tuple[Any, Any, An
     """(id(config), id(vocab)) -> (config, vocab, template engine): the
     template engines kept for `tokenizer`. An entry holds its config and
     vocabulary, so their ids stay theirs while it is kept."""
-    kept = vars(tokenizer).get(_ENGINES_ON)
+    return _kept_on(tokenizer, _ENGINES_ON)
+
+
+def _kept_on(tokenizer: Any, attribute: str) -> Remembered[Any, Any]:
+    """The memo `tokenizer` keeps in `attribute`, made on first use."""
+    kept = vars(tokenizer).get(attribute)
     if kept is None:
         kept = Remembered(LEXICONS_KEPT)
-        setattr(tokenizer, _ENGINES_ON, kept)
+        setattr(tokenizer, attribute, kept)
     return kept  # type: ignore[no-any-return]
 
 
