@@ -185,3 +185,57 @@ def test_plain_answers_are_written_directly_and_the_rest_keep_vllms_models(
         # A completion of several prompts drops the metrics (vLLM: they
         # describe one prompt), and is plain again.
         assert type(_handled(engine, endpoint, held)) is (model if len(responses) == 1 else dict)
+
+
+_TEXTS = st.none() | st.text(max_size=3)
+_CALLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.text(max_size=3),
+            "function": st.fixed_dictionaries({"name": st.text(max_size=2), "arguments": st.text(max_size=3)}),
+        },
+        optional={"type": st.just("function"), "index": st.integers(0, 2)},
+    ),
+    max_size=2,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fields=st.fixed_dictionaries(
+        {"role": st.sampled_from(["assistant", "tool", ""])},
+        optional={
+            "content": _TEXTS,
+            "reasoning": _TEXTS,
+            "refusal": _TEXTS,
+            "tool_calls": _CALLS,
+            "function_call": st.none() | st.just({"name": "f", "arguments": "{}"}),
+            "annotations": st.none() | st.just("set"),
+            "extra": st.integers(0, 1),
+        },
+    )
+)
+def test_messages_written_directly_are_their_models_dumps(
+    engines: tuple[DerenderEngine, DerenderEngine, Corpus], fields: dict[str, Any]
+) -> None:
+    """A message the direct writer writes (`DirectResponses._message_dump`)
+    is its model's ``model_dump()``, key for key and type for type; any
+    other (a refusal, a function call, annotations, extras) is left to the
+    model. The usual message, strings and tool calls of strings, is written."""
+    import orjson
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
+
+    direct = engines[0]._direct
+    annotated = fields.get("annotations") == "set"
+    message = ChatMessage.model_validate({k: v for k, v in fields.items() if k != "annotations"})
+    if annotated:  # a list of annotations on 0.34, one on 0.33: any value that is not None
+        vars(message)["annotations"] = []
+    written = direct._message_dump(message)
+    usual = set(fields) <= {"role", "content", "reasoning", "tool_calls"} and all(
+        set(call) <= {"id", "type", "function"} for call in fields.get("tool_calls", [])
+    )
+    event("written" if written is not None else "left to the model")
+    if written is None:
+        assert not usual or annotated, fields
+    else:
+        assert orjson.dumps(written) == orjson.dumps(message.model_dump())

@@ -381,6 +381,30 @@ def test_shared_lexicons_are_vllms_fresh_builds(family: Stack, run: Run, monkeyp
         assert _lexicon(info) == _lexicon(build(config, tokenizer))
 
 
+@requires_fast("decode")
+def test_remembered_tool_call_id_types_are_vllms(family: Stack, run: Run) -> None:
+    """The tool-call id type the fast decode remembers per model config
+    (`vllm_seam.parsers.ID_TYPES`) is vLLM's own answer for that
+    config after the family's whole corpus ran: a Kimi model's
+    ``functions.NAME:N`` ids stay Kimi's. The reference decode asks vLLM
+    every time."""
+    from derender_core.vllm_seam import parsers
+
+    name = family.builder.family.served_name
+    model_config = family.engine._serving.online_derenderer.model_config
+    parsers.ID_TYPES.clear()
+    assert family.engine.in_mode(decode="reference").post(Endpoint.CHAT, one_shot_body(run.plans[0], name)).ok
+    assert parsers.ID_TYPES == {}
+    for plan in run.plans:
+        family.engine.post(Endpoint.CHAT, one_shot_body(plan, name))
+    if family.engine._serving.online_derenderer.parser is None:
+        return  # no parser, no tool-call ids to type
+    assert list(parsers.ID_TYPES) == [id(model_config)]
+    remembered_config, id_type = parsers.ID_TYPES[id(model_config)]
+    assert remembered_config is model_config
+    assert id_type == parsers.vllm_tool_call_id_type()(model_config)
+
+
 def _engine_state(engine: Any, config: Any, tokenizer: Any) -> dict[str, Any]:
     """Everything a ``StreamingParserEngine`` holds, as plain values: its
     scanner and lexer by their own attributes, a lexer shape by its content

@@ -8,6 +8,7 @@ n>1) on the sample's real tokenizer."""
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,18 @@ from tests.sample_inputs import (
     qwen3_family,
 )
 
+class _Id(enum.IntEnum):
+    SEVEN = 7
+
+
+ODD_IDS = st.lists(
+    st.integers(0, 200)
+    | st.sampled_from([-1, True, False, 3.0, 2**63, 2**64, 2**70, "7", None, [1], _Id.SEVEN]),
+    max_size=4,
+)
+"""Token id lists validation keeps or refuses: a bool, a float, a big int,
+a subclass, a nested list among plain ids."""
+
 EXTRA_KEYS = ["foo", "guided_json", "generate_chunk", "stream_state", "kv_transfer_params", "stream"]
 VALUES = st.one_of(
     st.none(),
@@ -39,6 +52,7 @@ VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=32),
     st.text(max_size=4),
     st.lists(st.integers(-2, 200), max_size=4),
+    ODD_IDS,
     st.dictionaries(st.sampled_from(["a", "type", "prompt_token_ids"]), st.integers(0, 3) | st.text(max_size=2), max_size=2),
 )
 STREAM_FLAGS = st.sampled_from(["absent", False, True, 0, None, "false"])
@@ -101,7 +115,8 @@ def _outcome(validate: Any, body: dict[str, Any]) -> tuple[str, Any, dict[str, A
     except Exception as exc:  # noqa: BLE001 - compared, not hidden
         errors = exc.errors(include_url=False) if hasattr(exc, "errors") else str(exc)
         return type(exc).__name__, repr(errors), body
-    return type(request).__name__, _blank_request_ids(_with_logprobs_validated(request)), body
+    # repr: type for type (True, 1 and 1.0 are equal, and a subclass too).
+    return type(request).__name__, repr(_blank_request_ids(_with_logprobs_validated(request))), body
 
 
 def _with_logprobs_validated(request: Any) -> dict[str, Any]:
@@ -204,3 +219,99 @@ def test_debug_logging_takes_the_union(sample: Any) -> None:
         vllm_logger.setLevel(level)
     assert fast == union
     assert len(fast[1]) >= 2  # the extra field is logged by each member's pass
+
+
+_TEMPLATE_KWARG_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-1, 2),
+    st.floats(allow_nan=False, width=16),
+    st.sampled_from(["auto", "none", "low", ""]),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 2), max_size=2),
+)
+_TEMPLATE_FIELDS = {
+    "reasoning_effort": st.sampled_from([None, "none", "low", "medium", "high"]),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "documents": st.sampled_from([None, [], [{"title": "t", "text": "x"}]]),
+    "chat_template_kwargs": st.none()
+    | st.dictionaries(
+        st.sampled_from(["enable_thinking", "thinking", "custom", "reasoning_effort"]), _TEMPLATE_KWARG_VALUES, max_size=3
+    ),
+    "chat_template": st.sampled_from([None, "{{ messages }}"]),
+    "tool_choice": st.sampled_from(["none", "auto"]),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_remembered_template_kwargs_are_vllms(sample: Any, data: Any) -> None:
+    """The chat template kwargs the fast decode remembers per key
+    (`fast.template_kwargs_key`) are vLLM's ``_resolve_chat_template_kwargs``
+    answer for each request, whatever requests came before (each field it
+    reads drawn), under drawn derenderer settings; each call hands out a
+    dict of its own."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.online_derenderer import OnlineDerenderer
+
+    engine = sample[0]
+    derenderer = engine._serving.online_derenderer
+    if not derenderer.fast:
+        pytest.skip("the fast decode is off: vLLM's function answers every call")
+    settings_kept = (derenderer.reasoning_effort_map, derenderer.default_chat_template_kwargs)
+    derenderer.reasoning_effort_map = data.draw(st.sampled_from([None, {}, {"low": "minimal", "none": "off"}]))
+    derenderer.default_chat_template_kwargs = data.draw(
+        st.sampled_from([None, {}, {"enable_thinking": False}, {"custom": "default", "thinking": None}])
+    )
+    derenderer._template_kwargs.clear()
+    try:
+        for _ in range(data.draw(st.integers(1, 6), label="requests")):
+            raw: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+            for name, values in _TEMPLATE_FIELDS.items():
+                if data.draw(st.booleans(), label=f"set {name}"):
+                    raw[name] = data.draw(values, label=name)
+            try:
+                request = ChatCompletionRequest.model_validate(raw)
+            except (ValidationError, VLLMValidationError):  # vLLM refuses it (a tool choice without tools)
+                continue
+            want = repr(OnlineDerenderer._resolve_chat_template_kwargs(derenderer, request))
+            got = derenderer._resolve_chat_template_kwargs(request)
+            assert repr(got) == want  # repr: True, 1 and 1.0 are told apart
+            got["written by a parser"] = True
+            assert repr(derenderer._resolve_chat_template_kwargs(request)) == want
+        event(f"remembered: {len(derenderer._template_kwargs)}")
+    finally:
+        derenderer.reasoning_effort_map, derenderer.default_chat_template_kwargs = settings_kept
+        derenderer._template_kwargs.clear()
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_bytes=st.binary(min_size=16, max_size=16))
+def test_fast_random_uuid_is_vllms_for_the_same_bytes(random_bytes: bytes, monkeypatch_module: Any) -> None:
+    """The fast decode's ids (`parsers.fast_random_uuid`: a request's own
+    id, each tool call's) are vLLM's ``random_uuid()`` for the same random
+    bytes: vLLM's function run on drawn bytes gives the bits ours makes
+    of the 8 it draws."""
+    import os
+
+    from vllm.utils import random_uuid
+
+    from derender_core.vllm_seam import parsers
+
+    monkeypatch_module.setattr(os, "urandom", lambda size: random_bytes[-size:])
+    try:
+        assert random_uuid() == f"{parsers.uuid4_low_bits(random_bytes[8:]):016x}"
+        assert parsers.fast_random_uuid() == random_uuid()
+    finally:
+        monkeypatch_module.undo()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    """A monkeypatch a hypothesis test may use across its examples."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+

@@ -68,6 +68,7 @@ from . import logprobs as raw_logprobs
 from . import versions
 from .answers import dump_state, json_answer, stream_answer
 from .fast import WINDOW_IDS, FastDerenderer
+from .responses import SupportedModels
 
 
 class LiveDerenderer(FastDerenderer):
@@ -688,7 +689,7 @@ class ChunkLane:
         self.handler_logger = serving_module.logger
         self.layout = _layout(Endpoint.CHAT)
         self.completion_layout = _layout(Endpoint.COMPLETION)
-        self._supported: dict[str | None, bool] = {}
+        self.models = SupportedModels(serving)
         self.logprobs = versions.proven("logprobs") and versions.proven("stream_lp")
         """Whether chunks with logprobs are taken (fast path ``stream_lp``)."""
         self.completions = versions.proven("live_cmpl") and isinstance(self.derenderer, LiveDerenderer)
@@ -783,7 +784,7 @@ class ChunkLane:
             or prompt_token_ids is None
             or not state.continues(request, prompt_token_ids)
             or len(prompt_token_ids) + state.token_count + len(token_ids) > self.max_model_len
-            or not self._model_supported(call.model)
+            or not self.models.supported(call.model)
             or not self.usable()
         ):
             return None
@@ -867,7 +868,7 @@ class ChunkLane:
             or request.return_token_ids
             or (call.prompt_token_ids is not None and len(call.prompt_token_ids) > self.max_model_len)
             or not derenderer.fast
-            or not self._model_supported(call.model)
+            or not self.models.supported(call.model)
             or not self._quiet()
         ):
             return None
@@ -950,15 +951,6 @@ class ChunkLane:
         if usual is None:
             return None
         return raw_logprobs.completion_stream_json(fragments, usual, stream.top_limit, context, offset)
-
-    def _model_supported(self, model: str | None) -> bool:
-        """``BaseServing._is_model_supported``, once per model name: it
-        reads the served names and vLLM's environment, which a server
-        caches after start-up too (``envs.enable_envs_cache``)."""
-        supported = self._supported.get(model)
-        if supported is None:
-            supported = self._supported[model] = bool(self.serving._is_model_supported(model))
-        return supported
 
 
 def _usual_logprobs(logprobs: Any, context: Sequence[int]) -> raw_logprobs.Usual | None:

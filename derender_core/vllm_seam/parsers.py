@@ -32,10 +32,26 @@ the template's attributes, a new scanner and lexer made by their own
 constructors with the arguments ``__init__`` gives them, and vLLM's
 ``reset()``. Each engine still gets its own state.
 
+Every parser's ``__init__`` also asks ``get_tool_call_id_type(model_config)``
+which form its tool-call ids take (4 µs of a record: it reads the model's
+type through transformers' configuration attributes, twice per parser).
+The answer depends on nothing but the model config's ``hf_overrides`` and
+its Hugging Face configs' ``model_type``, which vLLM sets as it builds the
+config and never changes, so it is asked once per model config
+(`ID_TYPES`).
+
+A tool call's id is ``chatcmpl-tool-`` and vLLM's ``random_uuid()``: the
+low 64 bits of a ``uuid.uuid4()``, in hex. Building the ``UUID`` object
+costs 1 µs of the 1.8 an id takes; `fast_random_uuid` computes the same
+bits from the same 8 random bytes they come from, as vLLM's ``make_tool_call_id``
+calls it while the fast decode runs (and `requests.ChatRequests` for a
+request's own id).
+
 Sharing is on only while `SHARING` is set: `render.DerenderEngine.post`
 sets it for the fast decode's calls; ``--decode reference`` and the serve
 path run vLLM's functions as they are.
 ``tests/test_families.py`` checks, on every family's tokenizer, that each
+remembered tool-call id type is vLLM's answer, that each
 shared lexicon equals vLLM's fresh build after the family's corpus ran
 through it, that each engine made from a template is, attribute for
 attribute, the engine vLLM's ``__init__`` builds, with no container it
@@ -48,6 +64,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -95,6 +112,30 @@ long as the tokenizer does, as vLLM keeps its leading-space marker."""
 _ENGINES_ON = "_derender_parser_engines"
 """The tokenizer attribute that keeps its template engines."""
 
+ID_TYPES: Remembered[int, tuple[Any, str]] = Remembered(LEXICONS_KEPT)
+"""id(model config) -> (model config, its tool-call id type): an entry
+holds its config, so no other config can take its id while it is kept."""
+
+
+_UUID_VARIANT_CLEAR = ~(0xC000 << 48) & ((1 << 64) - 1)
+_UUID_VARIANT = 0x8000 << 48
+"""What ``uuid.UUID(..., version=4)`` does to a UUID's low 64 bits: its
+variant, RFC 4122's, in their top two (the version is in the high half)."""
+
+
+def uuid4_low_bits(random_bytes: bytes) -> int:
+    """The low 64 bits of ``uuid.UUID(bytes=b, version=4)`` where
+    `random_bytes` are the last 8 of its 16 bytes ``b``."""
+    return int.from_bytes(random_bytes, "big") & _UUID_VARIANT_CLEAR | _UUID_VARIANT
+
+
+def fast_random_uuid() -> str:
+    """vLLM's ``random_uuid()``, ``f"{uuid.uuid4().int & MASK_64_BITS:016x}"``,
+    without the ``UUID`` object: the same bits of the same kind of random
+    bytes (``uuid4`` draws ``os.urandom(16)``; the low 64 bits come from
+    its last 8)."""
+    return f"{uuid4_low_bits(os.urandom(8)):016x}"
+
 
 @functools.cache
 def install() -> None:
@@ -102,10 +143,17 @@ def install() -> None:
     globals, read at each call): ``_build_drop_info`` where
     ``StreamingParserEngine.__init__`` calls it, and the engine class where
     ``ParserEngine.__init__``, its one caller, builds it."""
+    from vllm.parser import abstract_parser
     from vllm.parser.engine import parser_engine, streaming_parser_engine
+    from vllm.renderers.chat_utils import tool_call
 
     streaming_parser_engine._build_drop_info = _sharing_wrapper(streaming_parser_engine._build_drop_info)
     parser_engine.StreamingParserEngine = _sharing_engines(parser_engine.StreamingParserEngine)
+    # The two parser base classes each ask it in __init__, by their own name.
+    for module in (abstract_parser, parser_engine):
+        module.get_tool_call_id_type = _remembered_id_type(module.get_tool_call_id_type)
+    # make_tool_call_id's id, by its module's name for it.
+    tool_call.random_uuid = _sharing_uuids(tool_call.random_uuid)
 
 
 def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
@@ -114,6 +162,31 @@ def vllm_build_drop_info() -> Callable[[Any, Any], Any]:
 
     built = streaming_parser_engine._build_drop_info
     return getattr(built, "__wrapped__", built)
+
+
+def vllm_tool_call_id_type() -> Callable[[Any], str]:
+    """vLLM's own ``get_tool_call_id_type``: the tests' reference."""
+    from vllm.renderers.chat_utils import get_tool_call_id_type
+
+    return get_tool_call_id_type  # type: ignore[no-any-return]
+
+
+def _remembered_id_type(ask: Callable[[Any], str]) -> Callable[[Any], str]:
+    @functools.wraps(ask)
+    def get_tool_call_id_type(model_config: Any) -> str:
+        if SHARING.get():
+            return ID_TYPES.get_or_make(id(model_config), lambda: (model_config, ask(model_config)))[1]
+        return ask(model_config)
+
+    return get_tool_call_id_type
+
+
+def _sharing_uuids(random_uuid: Callable[[], str]) -> Callable[[], str]:
+    @functools.wraps(random_uuid)
+    def ids() -> str:
+        return fast_random_uuid() if SHARING.get() else random_uuid()
+
+    return ids
 
 
 def vllm_engine_class() -> type:

@@ -34,12 +34,15 @@ PROVEN: dict[str, tuple[str, ...]] = {
 """Each fast path and the vLLM releases its differential tests passed on:
 
 - ``decode``: the batched decode (`fast.FastDerenderer`, `fast.TokenTable`)
-  in place of vLLM's per-token steps, and the parsers' shared lexicon and
-  engine templates (`parsers`);
+  in place of vLLM's per-token steps, the parsers' shared lexicon and
+  engine templates, their tool-call id type asked once per model config
+  and their ids made without a ``UUID`` object (`parsers`), and the chat
+  template kwargs resolved once per key (`fast.template_kwargs_key`);
 - ``requests``: the usual chat request built as validation builds it
   (`requests.ChatRequests`) and the one-shot body validated alone;
 - ``responses``: the one-shot handlers writing the dicts vLLM's models
-  would be dumped to (`responses.DirectResponses`);
+  would be dumped to, the usual message among them
+  (`responses.DirectResponses`);
 - ``live``: live streams (`live.LiveDerenderer`): a stream's parser and
   request kept between calls, its usual chunks answered by the lane;
 - ``replay``: a stream's replay (``--mode replay``) going on from this
