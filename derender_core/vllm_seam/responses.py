@@ -176,20 +176,20 @@ class DirectResponses:
             and type(gen.request_id) is str
             and type(model_name) is str
         )
-        messages = [self._message_dump(f["message"]) for f in choice_fields] if choice_fields is not None else []
-        plain = plain and (
-            all(map(_plain_choice, choice_fields, messages))
-            if choice_fields is not None
-            else all(map(plain_model, choices))
-        )
         if choice_fields is not None:
+            # Each message's dump, written directly where it is the usual
+            # one (`_message_dump`); only a plain response is dumped.
+            messages = [self._message_dump(f["message"]) for f in choice_fields] if plain else []
+            plain = plain and all(map(_plain_choice, choice_fields, messages))
             choices = (
                 list(map(self._choice_dump, choice_fields, messages))
                 if plain
                 else [ChatCompletionResponseChoice(**fields) for fields in choice_fields]
             )
-        elif plain:
+        elif plain and all(map(plain_model, choices)):
             choices = [choice.model_dump() for choice in choices]
+        else:
+            plain = False
         return self._response(
             ChatCompletionResponse,
             plain,
