@@ -10,8 +10,9 @@ id, run as `derender parity` runs them on the serve paths alone
 (its stream, one token per chunk). Window 1 is one record at a time, as
 before batching; "before" is window 1 with every stream call's request
 validated whole, as before a stream's request was validated once
-(`ServeEngine._keeps_stream_requests`): the serve path as issue 32 found
-it. Start-up is excluded; each figure is the best of
+(`ServeEngine._keeps_stream_requests`), and a one-shot body's tokens one
+engine step each, as before fast path ``serve_bulk`` handed them over as
+one (`ServeEngine._merges_steps`): the serve path as issue 32 found it. Start-up is excluded; each figure is the best of
 `--repeat` runs. Every window's answers are checked equal to window 1's
 (``created`` and tool-call ids blanked), and the peak RSS is printed.
 """
@@ -57,6 +58,7 @@ def main() -> None:
     started = time.perf_counter()
     serve = ServeEngine.build(sample_config())
     print(f"serve stack {time.perf_counter() - started:.1f} s (excluded below)")
+    merges = serve._merges_steps
     windows = [int(w) for w in args.windows.split(",")]
     print(f"{args.records} records of {args.tokens} output tokens, records/s (best of {args.repeat})")
     runs = [("before", 1), *((f"window {w}", w) for w in windows)]
@@ -69,6 +71,7 @@ def main() -> None:
         for index, (name, window) in [*enumerate(runs)][1:] + [(0, runs[0])]:  # "before" last: no warm-up in its favour
             if name == "before":
                 serve._keeps_stream_requests = lambda: False  # type: ignore[method-assign]
+                serve._merges_steps = False
             best = 0.0
             for _ in range(args.repeat):
                 started = time.perf_counter()
@@ -76,6 +79,7 @@ def main() -> None:
                 best = max(best, args.records / (time.perf_counter() - started))
             if name == "before":
                 del serve._keeps_stream_requests
+                serve._merges_steps = merges
             answers = seen(examinations)
             first = answers if first is None else first
             assert answers == first, f"{name} answered differently"

@@ -337,4 +337,4 @@ def check_live_chunks(engine: Any, plans: list[Any], data: Any) -> None:
     live, _ = jsonl_answers(engine.in_mode(live=True, decode="fast"), job, lines)
     replay, _ = jsonl_answers(engine.in_mode(live=False, decode="reference"), job, lines)
     for number, (got, expected) in enumerate(zip(live, replay, strict=True), 1):
-        assert normalize(got) == normalize(expected), (plan.request_id, sizes, number)
+        assert normalize(got) == normalize(expected), (plan.request_id, number)

@@ -85,8 +85,8 @@ def requires_fast(*paths: str) -> pytest.MarkDecorator:
         f"off on {versions.installed() or '(none)'}"
         for path in off
     )
-    if os.environ.get(versions.OFF_ENV, "").strip().lower() == "off":
-        why = f"{versions.OFF_ENV}=off turns off fast path {', '.join(off)}"
+    if os.environ.get(versions.OFF_ENV, "").strip().lower() == "off" or versions.switched_off():
+        why = f"{versions.OFF_ENV}={os.environ[versions.OFF_ENV]} turns off fast path {', '.join(off)}"
     return pytest.mark.skipif(bool(off), reason=f"{why}: derender runs vLLM's own code, no fast path to test")
 
 

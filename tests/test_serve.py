@@ -18,6 +18,7 @@ its logprobs against the derender endpoint's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -25,12 +26,15 @@ import inspect
 import io
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from derender_core import Endpoint, ServeEngine
 from derender_core.batch import Job
@@ -47,10 +51,12 @@ from tests.helpers import (
     jsonl_answers,
     normalize,
     normalized_bytes,
+    requires_fast,
     run_cli,
     run_lines,
     transcript_name,
 )
+from tests.parity_corpus import corpus_bodies
 from tests.sample_inputs import (
     SampleBuilder,
     StreamPlan,
@@ -65,7 +71,6 @@ from tests.sample_inputs import (
     stream_bodies,
     stream_plans,
 )
-from tests.parity_corpus import corpus_bodies
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
 
 # --- the corpus ----------------------------------------------------------------
@@ -567,6 +572,110 @@ def test_parity_in_windows_is_parity_one_request_at_a_time(qwen3_stack: Stack, q
     assert any(e[1] for e in alone[:-1]) and any(e[2] for e in alone[:-1])  # divergences and log lines to keep
     assert examined(32) == alone
     assert examined(4) == alone
+
+
+# --- a one-shot body's tokens as one engine step ------------------------------------
+#
+# Fast path ``serve_bulk``: a one-shot request without stop strings hands
+# each choice's tokens to the output processor as one step, vLLM's stop
+# logic still run per token (`_ScriptedEngineCore.advance_merged`). These
+# tests hold it to one token a step, the engine the oracle tests replay
+# (`serve_oracle.one_shot_steps`), answer by answer, findings included.
+
+
+@contextlib.contextmanager
+def _one_token_a_step(engine: serve.ServeEngine) -> Iterator[None]:
+    merges, engine._merges_steps = engine._merges_steps, False
+    try:
+        yield
+    finally:
+        engine._merges_steps = merges
+
+
+def _merged_as_one_token_a_step(engine: serve.ServeEngine, work: list[tuple[Endpoint, Any]]) -> int:
+    """Each body answered (and its findings) as with one token a step, in
+    a window of 32 and alone; how many took the merged steps."""
+    merged = engine._core.advance_merged
+    taken = []
+
+    def counted(request: Any, piece: Any, note: Any) -> Any:
+        taken.append(piece)
+        return merged(request, piece, note)
+
+    with _one_token_a_step(engine):
+        stepwise = [_seen([engine.post(e, body)]) for e, body in work]
+    engine._core.advance_merged = counted
+    try:
+        alone = [_seen([engine.post(e, body)]) for e, body in work]
+        batched = [_seen(a) for a in engine.drive((_calls(e, [body]) for e, body in work), window=32)]
+    finally:
+        del engine._core.advance_merged
+    assert alone == stepwise
+    assert batched == stepwise
+    return len(taken)
+
+
+@requires_fast("serve_bulk")
+def test_merged_steps_answer_each_corpus_as_one_token_a_step(qwen3_serve: ServeStack) -> None:
+    """The one-shot corpora (chat and completions, n > 1, logprobs, tool
+    calls, hidden reasoning, stop token ids, the sample's records, stop
+    strings going one token a step) and stop-logic findings."""
+    b = qwen3_serve.builder
+    ids = b.encode("One, two, three. Four, five.")
+    eos = b.family.eos_id
+    findings = [
+        _hello_body(b, "early", ids, "length", max_tokens=len(ids) + 5),
+        _hello_body(b, "late", ids, "length", max_tokens=len(ids) - 2),
+        _hello_body(b, "eos-inside", [*ids[:3], eos, *ids[3:], eos], "stop"),
+        _hello_body(b, "stop-id-inside", [*ids, eos], "stop", stop_token_ids=[ids[2]], min_tokens=1),
+        _hello_body(b, "stop-string", [*ids, eos], "stop", stop=["three"]),
+    ]
+    sample = [json.loads(line) for line in (SAMPLE / "chat.jsonl").read_text().splitlines()]
+    work = [(Endpoint.CHAT, x) for x in [*one_shot_chat_corpus(b), *sample, *findings]]
+    work += [(Endpoint.COMPLETION, x) for x in one_shot_completion_corpus(b)]
+    taken = _merged_as_one_token_a_step(qwen3_serve.engine, work)
+    assert taken >= len(work)  # (n > 1 counts each choice; stop strings none)
+    found = [a.findings for a in qwen3_serve.engine.post_many(Endpoint.CHAT, findings[:4])]
+    assert [[f.request_id for f in f_] for f_ in found] == [["early"], ["late"], ["eos-inside"], ["stop-id-inside"]]
+
+
+@st.composite
+def _drawn_one_shots(draw: st.DrawFn, b: SampleBuilder) -> dict[str, Any]:
+    """A one-shot chat body whose tokens meet vLLM's stop logic anywhere:
+    the eos id, a stop token id, max_tokens, min_tokens, ignore_eos, n."""
+    words = b.encode("Hi there, one two. <think>no</think> END")
+    eos = b.family.eos_id
+    stop_id = words[1]
+    n = draw(st.integers(1, 2))
+    pool = st.sampled_from([*words, eos, stop_id])
+    choices = []
+    for index in range(n):
+        ids = draw(st.lists(pool, max_size=12))
+        finish = draw(st.sampled_from(["stop", "length"]))
+        stop_reason = draw(st.sampled_from([None, stop_id])) if finish == "stop" else None
+        choices.append({"index": index, "token_ids": ids, "finish_reason": finish, "stop_reason": stop_reason})
+    request: dict[str, Any] = {"n": n}
+    if draw(st.booleans()):
+        request["max_tokens"] = draw(st.integers(1, 14))
+    if draw(st.booleans()):
+        request["min_tokens"] = draw(st.integers(0, 5))
+    if draw(st.booleans()):
+        request["stop_token_ids"] = [stop_id]
+    if draw(st.booleans()):
+        request["ignore_eos"] = True
+    body = _hello_body(b, "drawn", [], "stop", **request)
+    body["generate_response"]["choices"] = choices
+    return body
+
+
+@requires_fast("serve_bulk")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merged_steps_answer_drawn_records_as_one_token_a_step(qwen3_serve: ServeStack, data: st.DataObject) -> None:
+    """Drawn records, their stops and finishes anywhere: the same answer
+    and the same findings as one token a step."""
+    bodies = data.draw(st.lists(_drawn_one_shots(qwen3_serve.builder), min_size=1, max_size=3))
+    _merged_as_one_token_a_step(qwen3_serve.engine, [(Endpoint.CHAT, body) for body in bodies])
 
 
 def test_a_closed_serve_stack_leaves_no_tokenizer_behind(qwen3_serve: ServeStack) -> None:

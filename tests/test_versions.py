@@ -51,6 +51,14 @@ def test_off_switch_and_unknown_releases(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not any(versions.proven(path) for path in versions.PROVEN)
     message = versions.notice()
     assert message is not None and f"{versions.OFF_ENV}=off" in message
+    # One path off, to tell which one a difference comes from.
+    monkeypatch.setenv(versions.OFF_ENV, "off:serve_bulk, bogus")
+    assert versions.switched_off() == {"serve_bulk"}
+    assert [path for path in versions.PROVEN if not versions.proven(path)] == (
+        ["serve_bulk"] if versions.installed() in versions.PROVEN["serve_bulk"] else list(versions.PROVEN)
+    )
+    message = versions.notice()
+    assert message is not None and "fast paths off (serve_bulk" in message and "=off:serve_bulk" in message
     monkeypatch.delenv(versions.OFF_ENV)
     # A release never seen: every path off, and the notice names it.
     monkeypatch.setattr(versions, "installed", lambda: "9.99.0")

@@ -20,7 +20,10 @@ runner or weights start.
 Which recorded tokens make an engine step:
 
 - a one-shot body: one token per step, every choice in the same step, as
-  an engine without speculative decoding emits them;
+  an engine without speculative decoding emits them. With fast path
+  ``serve_bulk``, a request without stop strings runs vLLM's stop logic
+  per token just so, and hands each choice's tokens to the output
+  processor as one step (`_merge_ok` says why serve's answer cannot tell);
 - a stream body: its chunk is one step, in the order the chunks come. A
   chunk without a finish reason is held until the next chunk of its choice
   arrives, because a finish-only tail chunk (no tokens, a finish reason)
@@ -147,6 +150,7 @@ SEAM_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.engine", "EngineCoreOutput"),
     ("vllm.v1.engine", "EngineCoreOutputs"),
     ("vllm.v1.engine", "FinishReason"),
+    ("vllm.sampling_params", "RequestOutputKind.FINAL_ONLY"),
     ("vllm.v1.engine.async_llm", "AsyncLLM.generate"),
     ("vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client"),
     ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
@@ -326,6 +330,44 @@ class _ScriptedEngineCore:
             finish_reason=reason,
             stop_reason=engine_stop_reason,
         )
+
+    def advance_merged(
+        self, request: Request, piece: _Piece, note: Callable[[str, str], None]
+    ) -> EngineCoreOutput:
+        """`piece`'s tokens taken as `advance` takes them one engine step
+        each, handed to the output processor as one output: the same
+        tokens, logprobs and finish, as an engine that makes several
+        tokens a step hands them over (`_merge_ok` says when serve answers
+        that as it answers one token a step).
+
+        vLLM's stop logic runs per token as in one step each: its loop over
+        a step's tokens stops at the first stop, which for a token before
+        the record's last is a disagreement, noted and overruled as
+        `advance` does for that token alone, and the loop goes on after it.
+        """
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import RequestStatus
+
+        leading = piece.token_ids[:-1]
+        while leading:
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.num_tokens + len(leading) - 1
+            kept, stopped = Scheduler._update_request_with_output(self._scheduler, request, list(leading))
+            if not stopped:
+                break
+            finish = request.get_finished_reason()
+            tokens = request.num_output_tokens
+            note(_at(None, None, tokens), _at(None if finish is None else str(finish), request.stop_reason, tokens))
+            request.status = RequestStatus.RUNNING
+            request.stop_reason = None
+            leading = leading[len(kept) :]
+        output = self.advance(request, replace(piece, token_ids=piece.token_ids[-1:], logprobs=None), note)
+        if output is None:
+            raise RuntimeError("serve ended a request before its last token with no stop string")
+        output.new_token_ids = list(piece.token_ids)
+        if request.sampling_params is not None and request.sampling_params.logprobs is not None:
+            output.new_logprobs = _logprobs_lists(piece.logprobs or [])
+        return output
 
     def finish_unmatched_stop_string(
         self, request: Request, stop_string: str, note: Callable[[str, str], None]
@@ -638,6 +680,7 @@ class ServeEngine(DerenderEngine):
         self.findings: list[StopFinding] = []
         self.findings_total = 0
         self._keeps_requests = versions.proven("requests")
+        self._merges_steps = versions.proven("serve_bulk")
 
     @classmethod
     def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> ServeEngine:
@@ -852,30 +895,54 @@ class ServeEngine(DerenderEngine):
             if problem:
                 await self._cancel(run)
                 return self.bad_request(problem)
-        # One token per step, every choice in the same step.
-        steps = max((len(choice.token_ids or []) for choice in choices), default=0)
-        for position in range(max(steps, 1)):
-            batch = []
-            for choice in choices:
-                token_ids = choice.token_ids or []
-                last = max(len(token_ids), 1) - 1
-                if position > last:
-                    continue
-                content = choice.logprobs.content if choice.logprobs is not None else None
-                batch.append(
-                    _Piece(
-                        choice.index,
-                        token_ids[position : position + 1],
-                        content[position : position + 1] if content else None,
-                        choice.finish_reason if position == last else None,
-                        choice.stop_reason if position == last else None,
+        if self._merges_steps and _merge_ok(run.children, choices):
+            await self._pacer.step(self._merged_outputs(run, choices))
+        else:
+            # One token per step, every choice in the same step.
+            steps = max((len(choice.token_ids or []) for choice in choices), default=0)
+            for position in range(max(steps, 1)):
+                batch = []
+                for choice in choices:
+                    token_ids = choice.token_ids or []
+                    last = max(len(token_ids), 1) - 1
+                    if position > last:
+                        continue
+                    content = choice.logprobs.content if choice.logprobs is not None else None
+                    batch.append(
+                        _Piece(
+                            choice.index,
+                            token_ids[position : position + 1],
+                            content[position : position + 1] if content else None,
+                            choice.finish_reason if position == last else None,
+                            choice.stop_reason if position == last else None,
+                        )
                     )
-                )
-            await self._step(run, batch)
+                await self._step(run, batch)
         if not await self._until(lambda: run.ended, seconds=5.0):
             await self._cancel(run)
             return self.bad_request("serve did not finish the request after its last recorded token")
         return _handler_answer(run.task.result())  # type: ignore[union-attr]
+
+    def _merged_outputs(self, run: _ServeRun, choices: list[Any]) -> list[EngineCoreOutput]:
+        """Each choice's tokens as one output (`advance_merged`), the
+        findings told in the order one token a step tells them: by the
+        step they come at (a finding at token n comes at the step that
+        brings token n, the first step for a choice with none), then by
+        choice."""
+        heard: list[tuple[int, int, int, str, str]] = []
+        outputs = []
+        for order, choice in enumerate(choices):
+            request = run.children[choice.index]
+
+            def note(recorded: str, vllm: str, order: int = order, index: int = choice.index, request: Any = request) -> None:
+                heard.append((max(request.num_output_tokens - 1, 0), order, index, recorded, vllm))
+
+            content = choice.logprobs.content if choice.logprobs is not None else None
+            piece = _Piece(choice.index, list(choice.token_ids or []), content, choice.finish_reason, choice.stop_reason)
+            outputs.append(self._core.advance_merged(request, piece, note))
+        for _, _, index, recorded, vllm in sorted(heard, key=lambda h: h[:2]):
+            self._noter(run, index)(recorded, vllm)
+        return outputs
 
     async def _stream_call(self, endpoint: Endpoint, request: Any, original: Mapping[str, Any]) -> Answer:
         chunk = request.generate_chunk
@@ -1088,6 +1155,28 @@ def _unsupported(endpoint: Endpoint, request: Any) -> str | None:
             if len(prompt) != 1:
                 return "completions with more than one prompt"
     return None
+
+
+def _merge_ok(children: list[Any], choices: list[Any]) -> bool:
+    """Whether a one-shot body's choices may each go to the output processor
+    as one step (`_ScriptedEngineCore.advance_merged`) with the answer of
+    one token a step.
+
+    The request is not streamed, so serve's handler reads only the final
+    output (``RequestOutputKind.FINAL_ONLY``: the output processor makes
+    no output before the finish, and the n choices are gathered by index),
+    and the detokenizer and the logprobs take a step's tokens one by one
+    as they take one token. What a step's size can change is the stop
+    strings' search (the request's window, ``min_tokens``, the tokens
+    after a match): a request with stop strings, or a choice the record
+    ends on a string, goes one token a step.
+    """
+    from vllm.sampling_params import RequestOutputKind
+
+    return all(
+        child.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY and not child.sampling_params.stop
+        for child in children
+    ) and not any(isinstance(choice.stop_reason, str) for choice in choices)
 
 
 def _logprobs_problem(wanted: bool, choice: Any) -> str | None:

@@ -29,6 +29,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "stream_lp": ("0.33.0", "0.34.0"),
     "live_cmpl": ("0.33.0", "0.34.0"),
     "serve": ("0.33.0", "0.34.0"),
+    "serve_bulk": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0", "0.34.0"),
 }
 """Each fast path and the vLLM releases its differential tests passed on:
@@ -66,6 +67,12 @@ PROVEN: dict[str, tuple[str, ...]] = {
 - ``serve``: ``--flavor serve``, which drives ``vllm serve``'s handlers on
   a scripted engine core through private internals (no reference path:
   refused on other releases);
+- ``serve_bulk``: on the serve path, a one-shot body's tokens handed to
+  the output processor as one engine step per choice
+  (`serve._ScriptedEngineCore.advance_merged`), vLLM's stop logic still
+  run per token, where the request has no stop strings; off, one token a
+  step, as an engine without speculative decoding makes them (needs
+  ``serve``);
 - ``startup``: the lean start's patches of vLLM's start-up (no tokenizer
   thread pool, the model class inspected in process, the leading-space
   marker cached) and the renderer's work run inline, not on its pool.
@@ -76,25 +83,37 @@ SUPPORTED = (">=0.33", "<0.35")
 
 OFF_ENV = "DERENDER_FAST_PATHS"
 """``off`` runs every path as on a release never seen (vLLM's own code),
-for proving the reference on a known release. ``prove:decode,live`` (names
-from `PROVEN`) turns the named paths on where they are not yet proven: the
-step of adding a release in which their differential tests are run on it,
-before the release joins their tuples. Anything else, or unset, keeps the
-proven fast paths on."""
+for proving the reference on a known release. ``off:serve_bulk,logprobs``
+(names from `PROVEN`) turns only the named paths off, to tell which one a
+difference comes from. ``prove:decode,live`` turns the named paths on where
+they are not yet proven: the step of adding a release in which their
+differential tests are run on it, before the release joins their tuples.
+Anything else, or unset, keeps the proven fast paths on."""
 
 _PROVE = "prove:"
+_OFF = "off:"
 
 
 def _setting() -> str:
     return os.environ.get(OFF_ENV, "").strip().lower()
 
 
+def _named(prefix: str) -> frozenset[str]:
+    """The paths named after `prefix` in the setting (``prove:a,b``)."""
+    setting = _setting()
+    if not setting.startswith(prefix):
+        return frozenset()
+    return frozenset(name.strip() for name in setting[len(prefix) :].split(",") if name.strip() in PROVEN)
+
+
 def proving() -> frozenset[str]:
     """The paths ``DERENDER_FAST_PATHS=prove:...`` turns on unproven."""
-    setting = _setting()
-    if not setting.startswith(_PROVE):
-        return frozenset()
-    return frozenset(name.strip() for name in setting[len(_PROVE) :].split(",") if name.strip() in PROVEN)
+    return _named(_PROVE)
+
+
+def switched_off() -> frozenset[str]:
+    """The paths ``DERENDER_FAST_PATHS=off:...`` turns off."""
+    return _named(_OFF)
 
 
 @functools.cache
@@ -109,7 +128,7 @@ def installed() -> str:
 def proven(path: str) -> bool:
     """Whether fast path `path` runs here: proven on the installed vLLM,
     and not switched off by ``DERENDER_FAST_PATHS=off``."""
-    if _setting() == "off":
+    if _setting() == "off" or path in switched_off():
         return False
     return installed() in PROVEN[path] or path in proving()
 
@@ -123,8 +142,8 @@ def notice() -> str | None:
         return f"fast paths {', '.join(trying)} on unproven, on vLLM {installed()}, by {OFF_ENV}={_setting()}"
     if not off:
         return None
-    if _setting() == "off":
-        why = f"{OFF_ENV}=off"
+    if _setting() == "off" or switched_off():
+        why = f"{OFF_ENV}={_setting()}"
     else:
         proven_on = sorted({v for path in off for v in PROVEN[path]})
         why = f"they were proven on vLLM {', '.join(proven_on)}, and this is {installed() or 'no vLLM'}"
