@@ -669,7 +669,7 @@ def _drawn_one_shots(draw: st.DrawFn, b: SampleBuilder) -> dict[str, Any]:
 
 
 @requires_fast("serve_bulk")
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_merged_steps_answer_drawn_records_as_one_token_a_step(qwen3_serve: ServeStack, data: st.DataObject) -> None:
     """Drawn records, their stops and finishes anywhere: the same answer
