@@ -1057,6 +1057,23 @@ def test_parity_on_every_family(family: Stack, run: Run, serve_engine: ServeEngi
                 assert any(
                     (d.request_id, d.left, d.right, d.field) == (request.request_id, left, right, field) for d in found
                 ), (request.request_id, left, right, field)
+    # Fast path serve_bulk (each choice's tokens one step): the family's
+    # one-shot bodies answered, findings included, as one token a step.
+    one_shots = [request.one_shot for request in requests if request.one_shot is not None]
+    assert one_shots
+
+    def answered() -> list[tuple[int, bytes, tuple[Any, ...]]]:
+        # Byte for byte, in the answer's key order, less what each call draws
+        # afresh (`created`, the family's random tool-call ids).
+        return [(a.status, orjson.dumps(normalize(orjson.loads(a.raw))), a.findings)
+                for a in (serve_engine.post(Endpoint.CHAT, body) for body in one_shots)]  # fmt: skip
+
+    merged = answered()
+    merges, serve_engine._merges_steps = serve_engine._merges_steps, False
+    try:
+        assert answered() == merged
+    finally:
+        serve_engine._merges_steps = merges
 
 
 def reporting_call_stops(choice: dict[str, Any], call_id: int) -> dict[str, Any]:
