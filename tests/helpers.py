@@ -90,6 +90,17 @@ def requires_fast(*paths: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(off), reason=f"{why}: derender runs vLLM's own code, no fast path to test")
 
 
+@contextlib.contextmanager
+def one_token_a_step(engine: Any) -> Iterator[None]:
+    """A serve engine's one-shot bodies one token a step while active: fast
+    path ``serve_bulk`` off for it, as the engine the oracle replays."""
+    merges, engine._merges_steps = engine._merges_steps, False
+    try:
+        yield
+    finally:
+        engine._merges_steps = merges
+
+
 def read_jsonl(path: Path) -> list[Any]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 

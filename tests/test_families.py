@@ -64,6 +64,7 @@ from tests.helpers import (
     normalize,
     normalized_bytes,
     offline_env,
+    one_token_a_step,
     requires_fast,
     run_lines,
     server_stream_answers,
@@ -1069,11 +1070,8 @@ def test_parity_on_every_family(family: Stack, run: Run, serve_engine: ServeEngi
                 for a in (serve_engine.post(Endpoint.CHAT, body) for body in one_shots)]  # fmt: skip
 
     merged = answered()
-    merges, serve_engine._merges_steps = serve_engine._merges_steps, False
-    try:
+    with one_token_a_step(serve_engine):
         assert answered() == merged
-    finally:
-        serve_engine._merges_steps = merges
 
 
 def reporting_call_stops(choice: dict[str, Any], call_id: int) -> dict[str, Any]:

@@ -18,7 +18,6 @@ its logprobs against the derender endpoint's.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import importlib
@@ -26,7 +25,6 @@ import inspect
 import io
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ from tests.helpers import (
     jsonl_answers,
     normalize,
     normalized_bytes,
+    one_token_a_step,
     requires_fast,
     run_cli,
     run_lines,
@@ -583,15 +582,6 @@ def test_parity_in_windows_is_parity_one_request_at_a_time(qwen3_stack: Stack, q
 # (`serve_oracle.one_shot_steps`), answer by answer, findings included.
 
 
-@contextlib.contextmanager
-def _one_token_a_step(engine: serve.ServeEngine) -> Iterator[None]:
-    merges, engine._merges_steps = engine._merges_steps, False
-    try:
-        yield
-    finally:
-        engine._merges_steps = merges
-
-
 def _merged_as_one_token_a_step(engine: serve.ServeEngine, work: list[tuple[Endpoint, Any]]) -> int:
     """Each body answered (and its findings) as with one token a step, in
     a window of 32 and alone; how many took the merged steps."""
@@ -602,7 +592,7 @@ def _merged_as_one_token_a_step(engine: serve.ServeEngine, work: list[tuple[Endp
         taken.append(piece)
         return merged(request, piece, note)
 
-    with _one_token_a_step(engine):
+    with one_token_a_step(engine):
         stepwise = [_seen([engine.post(e, body)]) for e, body in work]
     engine._core.advance_merged = counted
     try:
