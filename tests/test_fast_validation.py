@@ -187,6 +187,20 @@ def test_answers_and_logs_are_the_full_validations(sample: Any, data: Any) -> No
     assert _answer(engine, endpoint, copy.deepcopy(body)) == _answer(full, endpoint, copy.deepcopy(body))
 
 
+def test_an_error_naming_a_request_id_vllm_drew_compares_with_it_blanked(sample: Any) -> None:
+    """The drawn test's comparison holds where vLLM names an id it drew:
+    a generate response sent without ``request_id`` gets a random one, and
+    the error about its empty choice names it, a new one each time."""
+    engine, full, corpus = sample
+    endpoint, body = next((e, b) for e, b in corpus if e is Endpoint.COMPLETION and len(b["generate_responses"]) > 1)
+    body = copy.deepcopy(body)
+    del body["generate_responses"][0]["request_id"]
+    del body["generate_responses"][0]["choices"][0]["token_ids"]
+    raws = [e.post(endpoint, copy.deepcopy(body)).raw for e in (engine, full)]
+    assert raws[0] != raws[1] and b"has empty or null token_ids" in raws[0]
+    assert _answer(engine, endpoint, copy.deepcopy(body)) == _answer(full, endpoint, copy.deepcopy(body))
+    assert b"<drawn id>" in _answer(engine, endpoint, copy.deepcopy(body))[0][1]
+
 def test_the_corpus_takes_the_one_shot_member(sample: Any) -> None:
     """The fast path is taken: a good one-shot body validates once, as the
     one-shot member alone, not as the union (which validates the request
