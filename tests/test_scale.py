@@ -511,6 +511,17 @@ def kill_while_writing(
     return process.returncode, stderr
 
 
+_UNINTERRUPTED: dict[str, bytes] = {}
+"""Per command, what an uninterrupted run of the kill test's input writes:
+the same lines for every case of that command, derendered once."""
+
+
+def _uninterrupted(stack: Stack, command: str, job: Job, lines: list[bytes]) -> bytes:
+    if command not in _UNINTERRUPTED:
+        _UNINTERRUPTED[command], _ = derendered(stack.engine.in_mode(live=True), job, lines)
+    return _UNINTERRUPTED[command]
+
+
 @pytest.mark.parametrize(
     ("command", "signum", "group", "first_workers", "then_workers"),
     [
@@ -557,7 +568,7 @@ def test_cli_killed_at_a_random_point_then_resumed(
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"\n".join(lines) + b"\n")
     output = tmp_path / "out.jsonl"
-    expected, _ = derendered(stack.engine.in_mode(live=True), job, lines)
+    expected = _uninterrupted(stack, command, job, lines)
 
     process = derender_process(command, str(source), "-o", str(output), "-j", first_workers)
     status, stderr = kill_while_writing(process, output, signum, rng, group=group)
