@@ -65,6 +65,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1, min(2, os.cpu_count() or 1, memory // WORKER_MEMORY))
 
+
 @dataclass
 class Stack:
     """One model family: its settings, its engine and a real server."""
