@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -30,6 +31,18 @@ from tests.helpers import REPO, SAMPLE, TOKENIZER_CACHE_VARIABLES, RenderServer,
 EMPTY_TOKENIZER_CACHE = Path(tempfile.mkdtemp(prefix="derender-tests-empty-cache-"))
 os.environ.update(dict.fromkeys(TOKENIZER_CACHE_VARIABLES, str(EMPTY_TOKENIZER_CACHE)))
 atexit.register(shutil.rmtree, EMPTY_TOKENIZER_CACHE, ignore_errors=True)
+# vLLM keeps what it learns of a model class (``modelinfos``) in one file per
+# class, keyed by its module's hash: the suite run on 0.33 and on 0.34 in
+# turn (as CI does) made each overwrite the other's, and every render
+# server's first start of an architecture then inspected it again in a
+# second vLLM process, 12 s of CPU. Each release keeps a cache of its own,
+# under the root vLLM would use; the suite's processes inherit it.
+VLLM_CACHE = (
+    Path(os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
+    / "derender-tests"
+    / importlib.metadata.version("vllm")
+)
+os.environ["VLLM_CACHE_ROOT"] = str(VLLM_CACHE.expanduser())
 # No test reaches a `derender server` the user runs: every `derender` the
 # suite starts runs fresh, and any client looks for a server in a directory
 # of the suite's own. tests/test_server.py starts its own server, in a
