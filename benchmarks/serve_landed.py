@@ -14,6 +14,16 @@ does, the current tree through ``Parity.examined`` (its windows), the old
 one a request at a time (all it had). Per pair, the best of --repeat runs,
 in ms a record. The ``oneshot`` half of each pair is the same small cost on
 both sides, so the ratios understate the serve paths' own speed-up.
+
+Beside them, in the current tree, vLLM's own work for the streamed records
+(`stream_floor`): the same requests through serve's handler, the output
+processor and the stream generator with its parsers, with as little of
+derender around them as drives them (no chunk bodies, no validation per
+call, no pacer, no parity), checked to write the serve path's bytes. It
+bounds what the streamed serve path can come to: the 5x target is met only
+where derender's share is what the target leaves above it. Then the same
+streams' calls alone (`stream_calls`: each chunk body through the derender
+contract, without parity), to show how much of that share the calls take.
 """
 
 from __future__ import annotations
@@ -35,9 +45,82 @@ PAIRS = (("reference", False), ("serve-oneshot", False), ("serve", True))
 TARGET = 5.0
 
 
-def measure(records: Path, count: int, repeat: int) -> dict[str, float]:
+def floor_inputs(bodies: list[dict[str, Any]]) -> list[tuple[Any, Any, Any, list[Any]]]:
+    """Per one-shot body, what `stream_floor` hands serve: the streamed
+    request and its prompt ids as the serve path gets them (the first of
+    parity's stream bodies), the request id, and one engine step per
+    token (`_Piece`)."""
+    from derender_core import Endpoint
+    from derender_core.parity import Chunking, stream_bodies
+    from derender_core.vllm_seam.serve import _Piece
+
+    inputs = []
+    for body in bodies:
+        choice = body["generate_response"]["choices"][0]
+        ids, finish = list(choice["token_ids"]), choice["finish_reason"]
+        first = stream_bodies(body, Endpoint.CHAT, Chunking(len(ids)))[0]
+        chunk = first["generate_chunk"]
+        steps = [_Piece(0, ids[k : k + 1], None, finish if k == len(ids) - 1 else None) for k in range(len(ids))]
+        inputs.append((first["chat_request"], first.get("prompt_token_ids") or chunk.get("prompt_token_ids"),
+                       chunk["request_id"], steps))  # fmt: skip
+    return inputs
+
+
+def stream_floor(serve: Any, inputs: list[tuple[Any, Any, Any, list[Any]]], window: int = 32) -> list[bytes]:
+    """vLLM's own work for each record streamed one token a chunk
+    (`floor_inputs`), `window` requests at a time as the serve path batches
+    them: each request opened through serve's handler (`ServeEngine._open`),
+    then per step every request's token through vLLM's stop logic
+    (`_ScriptedEngineCore.advance`) and one ``EngineCoreOutputs`` for all,
+    the loop run until serve has answered it. Each request's SSE bytes, for
+    the check."""
+    from derender_core import Endpoint
+    from derender_core.vllm_seam.serve import _until_idle
+
+    def unheard(recorded: str, vllm: str) -> None:
+        raise AssertionError(f"the floor's records stop where vLLM does: {recorded} against {vllm}")
+
+    async def window_of(batch: list[tuple[Any, Any, Any, list[Any]]]) -> list[bytes]:
+        runs = [
+            await serve._open(Endpoint.CHAT, original, request_id, stream=True, prompt_ids=prompt)
+            for original, prompt, request_id, _ in batch
+        ]
+        steps = [pieces for *_, pieces in batch]
+        for k in range(max(map(len, steps))):
+            outputs = [serve._core.advance(run.children[0], pieces[k], unheard)
+                       for run, pieces in zip(runs, steps, strict=True) if k < len(pieces)]  # fmt: skip
+            serve._core.emit([output for output in outputs if output is not None])
+            await _until_idle()
+        for run in runs:
+            await run.task
+            serve._core.release(run.children)
+        return [b"".join(run.frames) for run in runs]
+
+    written = []
+    for start in range(0, len(inputs), window):
+        written += serve._loop.run_until_complete(window_of(inputs[start : start + window]))
+    return written
+
+
+def stream_calls(serve: Any, streams: list[list[dict[str, Any]]]) -> list[bytes]:
+    """The serve path's calls alone: each stream's chunk bodies posted in
+    turn through the derender contract (`ServeEngine.drive`, its windows),
+    their frames joined, with nothing of parity's reading or comparing."""
+    from derender_core import Endpoint
+
+    def script(chunks: list[dict[str, Any]]) -> Any:
+        frames = []
+        for chunk in chunks:
+            frames += (yield Endpoint.CHAT, chunk).frames
+        return b"".join(frames)
+
+    return list(serve.drive([script(chunks) for chunks in streams]))
+
+
+def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict[str, float]:
     """Seconds a record for each pair, in this process, over the code on
-    ``PYTHONPATH`` (old or new: only API both have is used)."""
+    ``PYTHONPATH`` (old or new: only API both have is used); with `floor`
+    (the current tree), `stream_floor`'s too."""
     import orjson
 
     from derender_core import Endpoint, jobs
@@ -76,6 +159,23 @@ def measure(records: Path, count: int, repeat: int) -> dict[str, float]:
                 examine(batch)
                 best = min(best, time.perf_counter() - started)
             figures[path] = best / len(bodies)
+        if floor:
+            import re
+
+            def blanked(raw: bytes) -> bytes:
+                return re.sub(rb'"created":\d+|chatcmpl-tool-[0-9a-f]+', b"", raw)
+
+            serve, inputs = engines["serve"], floor_inputs(bodies)
+            streams = [stream_bodies(body, Endpoint.CHAT, Chunking(1)) for body in bodies]
+            if blanked(stream_floor(serve, inputs[:1])[0]) != blanked(stream_calls(serve, streams[:1])[0]):
+                raise SystemExit("the floor's bytes are not the serve path's")
+            for name, work in (("floor", lambda: stream_floor(serve, inputs)), ("calls", lambda: stream_calls(serve, streams))):
+                best = float("inf")
+                for _ in range(repeat):
+                    started = time.perf_counter()
+                    work()
+                    best = min(best, time.perf_counter() - started)
+                figures[name] = best / len(bodies)
     return figures
 
 
@@ -94,11 +194,12 @@ def _records(path: Path, count: int, tokens: int) -> None:
             out.write(orjson.dumps(one) + b"\n")
 
 
-def _side(tree: Path, records: Path, count: int, repeat: int) -> dict[str, float]:
+def _side(tree: Path, records: Path, count: int, repeat: int, floor: bool = False) -> dict[str, float]:
     """`measure` run in a fresh process over `tree`'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree), "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(
-        [sys.executable, __file__, "--measure", str(records), "--records", str(count), "--repeat", str(repeat)],
+        [sys.executable, __file__, "--measure", str(records), "--records", str(count), "--repeat", str(repeat),
+         *(["--floor"] if floor else [])],
         capture_output=True, cwd=tree, env=env, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -113,9 +214,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure is not None:
-        print(json.dumps(measure(args.measure, args.records, args.repeat)))
+        print(json.dumps(measure(args.measure, args.records, args.repeat, args.floor)))
         return
     here = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as scratch:
@@ -128,7 +230,7 @@ def main() -> None:
             before = _side(old, records, args.records, args.repeat)
         finally:
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(old)], check=False)
-        now = _side(here, records, args.records, args.repeat)
+        now = _side(here, records, args.records, args.repeat, floor=True)
     print(f"{args.records} records of {args.tokens} output tokens, parity over oneshot and the path, ms a record "
           f"(best of {args.repeat}, start-up excluded)")
     print(f"{'path':<16}{'before (' + args.before + ')':>20}{'now':>10}{'before/now':>12}")
@@ -136,6 +238,15 @@ def main() -> None:
         ratio = before[path] / now[path]
         verdict = "" if path == "reference" else f"  (target >= {TARGET:.0f}x: {'PASS' if ratio >= TARGET else 'MISS'})"
         print(f"{path:<16}{before[path] * 1e3:>20.2f}{now[path] * 1e3:>10.2f}{ratio:>11.2f}x{verdict}")
+    allowed = before["serve"] / TARGET
+    print(f"serve's own work for a streamed record (vLLM's stream generator, parsers and output processor, "
+          f"with as little around it as drives it): {now['floor'] * 1e3:.2f} ms, the serve path "
+          f"{now['serve'] / now['floor']:.2f}x it; the target needs at most {allowed * 1e3:.2f} ms, of which the "
+          f"floor is {now['floor'] / allowed:.0%}")  # fmt: skip
+    calls = args.tokens + 1  # one chunk a token, then the usage chunk
+    print(f"the same streams' calls alone, through the derender contract without parity: {now['calls'] * 1e3:.2f} ms, "
+          f"{(now['calls'] - now['floor']) / calls * 1e6:.0f} us a call above the floor; the target leaves "
+          f"{(allowed - now['floor']) / calls * 1e6:.0f} us a call for the calls, parity's reading and the oneshot half")  # fmt: skip
 
 
 if __name__ == "__main__":
