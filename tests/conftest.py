@@ -36,13 +36,14 @@ atexit.register(shutil.rmtree, EMPTY_TOKENIZER_CACHE, ignore_errors=True)
 # turn (as CI does) made each overwrite the other's, and every render
 # server's first start of an architecture then inspected it again in a
 # second vLLM process, 12 s of CPU. Each release keeps a cache of its own,
-# under the root vLLM would use; the suite's processes inherit it.
-VLLM_CACHE = (
-    Path(os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
-    / "derender-tests"
-    / importlib.metadata.version("vllm")
-)
-os.environ["VLLM_CACHE_ROOT"] = str(VLLM_CACHE.expanduser())
+# under the root vLLM would use; the suite's processes inherit it (the test
+# workers too, whose root is then the release's already).
+VLLM_CACHE_OF_RELEASE = Path("derender-tests", importlib.metadata.version("vllm"))
+_vllm_cache_root = Path(
+    os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+).expanduser()
+if _vllm_cache_root.parts[-2:] != VLLM_CACHE_OF_RELEASE.parts:
+    os.environ["VLLM_CACHE_ROOT"] = str(_vllm_cache_root / VLLM_CACHE_OF_RELEASE)
 # No test reaches a `derender server` the user runs: every `derender` the
 # suite starts runs fresh, and any client looks for a server in a directory
 # of the suite's own. tests/test_server.py starts its own server, in a
