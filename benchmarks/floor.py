@@ -45,6 +45,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
 from derender_core.records import iter_records
 from derender_core.writers import SseWriter
+from tests.helpers import normalized_bytes
 from tests.sample_inputs import (
     SampleBuilder,
     logprobs_for,
@@ -129,7 +130,7 @@ def oneshot_table(engine: DerenderEngine, b: SampleBuilder, lengths: list[int], 
             answer = engine.post(Endpoint.CHAT, body)
             if not answer.ok:
                 raise SystemExit(f"derender failed: {answer.raw[:300]!r}")
-            if _normalized(answer.raw) != _normalized(ref.post(Endpoint.CHAT, body).raw):
+            if normalized_bytes(answer.raw) != normalized_bytes(ref.post(Endpoint.CHAT, body).raw):
                 raise SystemExit(f"fast and reference answers differ at {tokens} tokens")
             request = floor.request(body)
             floor.check(request, answer.body)
@@ -144,12 +145,6 @@ def oneshot_table(engine: DerenderEngine, b: SampleBuilder, lengths: list[int], 
             print(f"{count:7d} {'5 top' if logprobs else '-':>8} {fast_s * 1e3:8.1f}ms {ref_s * 1e3:8.1f}ms "
                   f"{vllm_s * 1e3:8.1f}ms {floor_s * 1e3:7.2f}ms {fast_s / floor_s:8.1f}x "
                   f"{fast_s / count * 1e6:9.2f} {ref_s / fast_s:7.1f}x", flush=True)
-
-
-def _normalized(raw: bytes) -> bytes:
-    import re
-
-    return re.sub(rb'"created":\d+|chatcmpl-tool-[0-9a-f]+', b"", raw)
 
 
 def live_row(engine: DerenderEngine, b: SampleBuilder, tokens: int) -> None:

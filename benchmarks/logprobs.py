@@ -37,7 +37,6 @@ import dataclasses
 import io
 import os
 import pstats
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +51,7 @@ from derender_core.batch import Job, run
 from derender_core.collector import records_pace
 from derender_core.records import iter_records
 from derender_core.writers import JsonlWriter
+from tests.helpers import normalized_bytes
 from tests.sample_inputs import SampleBuilder, logprobs_for, one_shot_body, qwen3_family
 
 MAX_CANDIDATES = 20
@@ -134,10 +134,6 @@ class LogprobFloor(Floor):
         return orjson.dumps(self.answer)
 
 
-def _normalized(raw: bytes) -> bytes:
-    return re.sub(rb'"created":\d+|chatcmpl-tool-[0-9a-f]+', b"", raw)
-
-
 @dataclasses.dataclass
 class Row:
     case: Case
@@ -168,7 +164,7 @@ def measure_case(
     if not answer.ok:
         raise SystemExit(f"{case.name}: derender failed: {answer.raw[:300]!r}")
     reference = engine.in_mode(decode="reference").post(case.endpoint, body)
-    if _normalized(answer.raw) != _normalized(reference.raw):
+    if normalized_bytes(answer.raw) != normalized_bytes(reference.raw):
         raise SystemExit(f"{case.name}: derender's answer is not --decode reference's")
     floor = LogprobFloor(engine, case, body, orjson.loads(answer.raw))
     floor.check()

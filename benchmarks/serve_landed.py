@@ -160,14 +160,12 @@ def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict
                 best = min(best, time.perf_counter() - started)
             figures[path] = best / len(bodies)
         if floor:
-            import re
-
-            def blanked(raw: bytes) -> bytes:
-                return re.sub(rb'"created":\d+|chatcmpl-tool-[0-9a-f]+', b"", raw)
+            from tests.helpers import normalized_bytes
 
             serve, inputs = engines["serve"], floor_inputs(bodies)
             streams = [stream_bodies(body, Endpoint.CHAT, Chunking(1)) for body in bodies]
-            if blanked(stream_floor(serve, inputs[:1])[0]) != blanked(stream_calls(serve, streams[:1])[0]):
+            written, called = stream_floor(serve, inputs[:1])[0], stream_calls(serve, streams[:1])[0]
+            if normalized_bytes(written) != normalized_bytes(called):
                 raise SystemExit("the floor's bytes are not the serve path's")
             for name, work in (("floor", lambda: stream_floor(serve, inputs)), ("calls", lambda: stream_calls(serve, streams))):
                 best = float("inf")
