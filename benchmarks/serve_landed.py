@@ -23,7 +23,9 @@ call, no pacer, no parity), checked to write the serve path's bytes. It
 bounds what the streamed serve path can come to: the 5x target is met only
 where derender's share is what the target leaves above it. Then the same
 streams' calls alone (`stream_calls`: each chunk body through the derender
-contract, without parity), to show how much of that share the calls take.
+contract, without parity), to show how much of that share the calls take;
+the floor and the calls take turns, each figure the best of --repeat
+(`record_floor.best`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,8 @@ def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict
                 best = min(best, time.perf_counter() - started)
             figures[path] = best / len(bodies)
         if floor:
+            from record_floor import best as best_in_turns
+
             from tests.helpers import normalized_bytes
 
             serve, inputs = engines["serve"], floor_inputs(bodies)
@@ -167,13 +171,9 @@ def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict
             written, called = stream_floor(serve, inputs[:1])[0], stream_calls(serve, streams[:1])[0]
             if normalized_bytes(written) != normalized_bytes(called):
                 raise SystemExit("the floor's bytes are not the serve path's")
-            for name, work in (("floor", lambda: stream_floor(serve, inputs)), ("calls", lambda: stream_calls(serve, streams))):
-                best = float("inf")
-                for _ in range(repeat):
-                    started = time.perf_counter()
-                    work()
-                    best = min(best, time.perf_counter() - started)
-                figures[name] = best / len(bodies)
+            # The two take turns, so that a busy spell weighs on both alike.
+            timed = best_in_turns((lambda: stream_floor(serve, inputs), lambda: stream_calls(serve, streams)), repeat)
+            figures["floor"], figures["calls"] = (seconds / len(bodies) for seconds in timed)
     return figures
 
 
