@@ -22,9 +22,14 @@ Per case, the best of --repeat runs, the measures taking turns
   (`collector.records_pace`), so neither pays a collection the other does
   not.
 
+Beside them, "loaded": the same job with fast path ``lp_text`` off
+(``DERENDER_FAST_PATHS=off:lp_text``), its lines' logprobs loaded as dicts
+and checked there rather than read from the text (`logprob_text`).
+
 Checked before timing: the floor's message (or text) is derender's, and
 derender's answer is, byte for byte, the one ``--decode reference`` (vLLM's
-own handlers and functions) gives, but for ``created`` and tool call ids.
+own handlers and functions) gives, but for ``created`` and tool call ids;
+so are the job's outputs with and without ``lp_text``.
 
 Target: every case at most 2x its logprob floor.
 """
@@ -32,13 +37,14 @@ Target: every case at most 2x its logprob floor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
 import os
 import pstats
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -50,6 +56,7 @@ from derender_core import DerenderEngine, Endpoint
 from derender_core.batch import Job, run
 from derender_core.collector import records_pace
 from derender_core.records import iter_records
+from derender_core.vllm_seam.versions import OFF_ENV
 from derender_core.writers import JsonlWriter
 from tests.helpers import normalized_bytes
 from tests.sample_inputs import SampleBuilder, logprobs_for, one_shot_body, qwen3_family
@@ -139,6 +146,7 @@ class Row:
     case: Case
     record: float
     floor: float
+    loaded: float
 
     @property
     def ratio(self) -> float:
@@ -148,7 +156,8 @@ class Row:
         verdict = "PASS" if self.ratio <= TARGET else "MISS"
         return (
             f"  {self.case.name:38} {self.record * 1e3:9.2f}ms {self.floor * 1e3:9.2f}ms "
-            f"{self.ratio:8.2f}x   (target <= {TARGET}x)  {verdict}"
+            f"{self.ratio:8.2f}x   (target <= {TARGET}x)  {verdict}   loaded {self.loaded * 1e3:.2f}ms, "
+            f"{self.loaded / self.floor:.2f}x"
         )
 
 
@@ -174,9 +183,23 @@ def measure_case(
     job = Job(case.endpoint, stream=False)
     job_engine = engine.in_mode(live=True)
 
-    def job_run() -> None:
-        report = run(job_engine, iter_records(io.BytesIO(data), digests=False), job, JsonlWriter(target=io.BytesIO()))
+    def job_output() -> bytes:
+        out = io.BytesIO()
+        report = run(job_engine, iter_records(io.BytesIO(data), digests=False), job, JsonlWriter(target=out))
         assert report.errors == 0
+        return out.getvalue()
+
+    def job_run() -> None:
+        job_output()
+
+    def loaded_run() -> None:
+        with lp_text_off():
+            job_output()
+
+    with lp_text_off():
+        loaded_bytes = job_output()
+    if normalized_bytes(job_output()) != normalized_bytes(loaded_bytes):
+        raise SystemExit(f"{case.name}: the job's output with lp_text is not its output without")
 
     def floors() -> None:
         # At the collector's pace a job answers records at (`records_pace`):
@@ -185,8 +208,23 @@ def measure_case(
             for _ in range(records):
                 floor.record(line)
 
-    record_s, floor_s = (t / records for t in best((job_run, floors), repeat, clock))
-    return Row(case, record_s, floor_s)
+    record_s, floor_s, loaded_s = (t / records for t in best((job_run, floors, loaded_run), repeat, clock))
+    return Row(case, record_s, floor_s, loaded_s)
+
+
+@contextlib.contextmanager
+def lp_text_off() -> Iterator[None]:
+    """Fast path ``lp_text`` off while the block runs (the engine asks
+    `versions` per record)."""
+    before = os.environ.get(OFF_ENV)
+    os.environ[OFF_ENV] = "off:lp_text"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[OFF_ENV]
+        else:
+            os.environ[OFF_ENV] = before
 
 
 def profile_case(engine: DerenderEngine, b: SampleBuilder, case: Case, records: int, top: int = 25) -> list[str]:

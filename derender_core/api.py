@@ -53,6 +53,8 @@ class CodeAPI:
     vocab_size: int
     window = 1
     """One call at a time (`protocol.Derenderer.window`)."""
+    reads_logprob_text = False
+    """Bodies hold logprobs loaded (`protocol.Derenderer.reads_logprob_text`)."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:  # the engine's
         raise NotImplementedError

@@ -23,6 +23,7 @@ from typing import Any
 from .checks import PassedPrompts, check_body
 from .collector import records_pace
 from .errors import ExitStatus, RecordError, StreamFailure
+from .logprob_text import split_body
 from .logs import ROUTE, LogKind, LogLine, collected_vllm_logs, count_logs, tally_vllm_logs
 from .prompts import PROMPT_MISSING, PromptRenderer, lacks_prompt, rendered_token_ids
 from .protocol import Answer, Call, Derenderer, Endpoint
@@ -216,6 +217,9 @@ class RecordProcessor:
         self.ledger = StreamLedger()
         self.prompts = PromptRenderer(engine)
         self.passed = PassedPrompts()
+        self.splits = not job.stream and not job.endpoint.renders and engine.reads_logprob_text
+        """Whether a one-shot record's logprobs are read from its text
+        (`logprob_text`), for a path whose writer takes them so."""
 
     def process(self, record: Record) -> Outcome:
         """The outcome of one record; never raises for a record, whatever
@@ -238,15 +242,19 @@ class RecordProcessor:
         """The record's outcome, or for a one-shot derender record that
         passed the checks, the call still to make."""
         engine, job = self.engine, self.job
-        if record.problem is not None:
-            problem = record.problem
-            return Outcome(engine.invalid_json(problem.message, problem.position), detail=failure_detail(record))
+        text = record.unparsed if self.splits else None
+        payload = split_body(text) if text is not None and b'"logprobs"' in text else None
+        if payload is None:
+            if record.problem is not None:
+                problem = record.problem
+                return Outcome(engine.invalid_json(problem.message, problem.position), detail=failure_detail(record))
+            payload = record.payload
         if job.endpoint.renders:
             # A request in, its GenerateRequest out: nothing to join or check.
-            answer = engine.post(job.endpoint, record.payload)
-            return Outcome(answer, tokens=_tokens_handled(job.endpoint, record.payload, answer) if answer.ok else 0)
+            answer = engine.post(job.endpoint, payload)
+            return Outcome(answer, tokens=_tokens_handled(job.endpoint, payload, answer) if answer.ok else 0)
         try:
-            body = derender_body(record.payload, job.endpoint, stream=job.stream, requests=job.requests)
+            body = derender_body(payload, job.endpoint, stream=job.stream, requests=job.requests)
         except RecordError as exc:
             return Outcome(engine.bad_request(str(exc)))
         if lacks_prompt(body, job.endpoint):

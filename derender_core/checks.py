@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from .lax import read_int, requested_choices, streaming
+from .logprob_text import LogprobsText
 from .protocol import Endpoint
 
 _RESPONSE_KEYS = ("generate_response", "generate_responses")
@@ -255,6 +256,11 @@ class _Checker:
         self.ids(f"{path}.prompt_token_ids", response.get("prompt_token_ids"), negatives_checked_by_vllm=True)
 
     def logprobs(self, path: str, logprobs: Any) -> None:
+        if type(logprobs) is LogprobsText:
+            # Read from the text, every id an int of at least 0.
+            if logprobs.max_id() < self.vocab_size:
+                return
+            logprobs = logprobs.loaded()
         content = logprobs.get("content") if (type(logprobs) is dict or isinstance(logprobs, Mapping)) else None
         if not isinstance(content, list):
             return

@@ -361,6 +361,10 @@ class Derenderer(Protocol):
     """How many independent calls the path answers together (`drive`): 1
     where it answers one at a time, so callers read no further ahead than
     that; `WINDOW` on the serve path."""
+    reads_logprob_text: bool
+    """Whether a one-shot body may hold its choices' logprobs as their text
+    (`logprob_text.LogprobsText`), for the path's writer to read: batch
+    execution then reads them so (fast path ``lp_text``)."""
 
     def post(self, endpoint: Endpoint, body: Any) -> Answer:
         """Answer one call as ``POST endpoint.path`` would."""

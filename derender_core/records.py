@@ -141,6 +141,11 @@ class Record:
         return self._payload
 
     @property
+    def unparsed(self) -> bytes | None:
+        """The record's JSON text while it is not parsed yet, else None."""
+        return self._text
+
+    @property
     def problem(self) -> JsonProblem | None:
         self._parse()
         return self._problem
@@ -412,12 +417,17 @@ def parse_line(
     return None if body is None else parse_body(body)
 
 
+def orjson_exact(text: bytes) -> bool:
+    """Whether orjson reads every number in `text` as the server's parser
+    (Python's json) does: it turns integers beyond 64 bits into floats,
+    which Python keeps exact, so text with a run of 19 digits is not."""
+    return text.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0
+
+
 def parse_body(body: bytes) -> tuple[Any, JsonProblem | None]:
     """Parse a record's JSON text (`record_body`) as the server's parser
     would: the payload and None, or None and the reason it is not JSON."""
-    # orjson turns integers beyond 64 bits into floats; Python's json, the
-    # server's parser, keeps them exact, so such lines go to it.
-    if body.translate(_DIGITS_AS_ZERO).find(_LONG_DIGIT_RUN) < 0:
+    if orjson_exact(body):
         try:
             payload = orjson.loads(body)
             return (JsonString(payload) if type(payload) is str else payload), None

@@ -126,7 +126,10 @@ def drawn_logprobs(data: Any, engine: DerenderEngine, *, max_size: int = 10) -> 
 
 def _bounds_error(engine: DerenderEngine, validated: Any) -> Any:
     """vLLM's bounds check of a choice carrying these logprobs."""
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensChoice, GenerateTokensResponse
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateTokensChoice,
+        GenerateTokensResponse,
+    )
 
     choice = GenerateTokensChoice(index=0, token_ids=[1], logprobs=validated)
     return engine._serving._validate_derender_bounds([GenerateTokensResponse(request_id="r", choices=[choice])])
@@ -139,7 +142,10 @@ def test_the_written_logprobs_are_vllms(engine: DerenderEngine, data: Any) -> No
     it is and vLLM's bounds pass; its JSON is the models' JSON."""
     from pydantic import ValidationError
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
-    from vllm.renderers.online_derenderer import _convert_chat_logprobs_to_completion_logprobs, _resolve_logprobs
+    from vllm.renderers.online_derenderer import (
+        _convert_chat_logprobs_to_completion_logprobs,
+        _resolve_logprobs,
+    )
 
     from derender_core.vllm_seam import logprobs as raw_logprobs
 
@@ -184,6 +190,22 @@ def test_the_written_logprobs_are_vllms(engine: DerenderEngine, data: Any) -> No
     assert got == want, (field, top_limit)
 
 
+def test_orjson_writes_every_string_as_the_response_does() -> None:
+    """The completion writer leaves its dicts' keys, the tokens, to orjson
+    (`logprobs._completion_json`): it writes every character but the
+    surrogates (which it refuses, and no decode gives) as the response's
+    ``json.dumps(ensure_ascii=False)`` does."""
+    encode = json.JSONEncoder(ensure_ascii=False).encode
+    differ = [
+        code
+        for code in range(0x110000)
+        if not 0xD800 <= code <= 0xDFFF and orjson.dumps(chr(code)) != encode(chr(code)).encode()
+    ]
+    assert differ == []
+    with pytest.raises(TypeError):
+        orjson.dumps("\ud800")
+
+
 def _written(model: Any) -> str | None:
     """A response model's JSON, None where a non-finite float stops it."""
     try:
@@ -193,7 +215,8 @@ def _written(model: Any) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def sample() -> Iterator[tuple[DerenderEngine, list[dict[str, Any]]]]:
+def sample() -> Iterator[tuple[DerenderEngine, list[tuple[Endpoint, dict[str, Any]]]]]:
+    """The sample's engine and its one-shot bodies with choices."""
     engine = DerenderEngine.build(sample_config())
     b = SampleBuilder(qwen3_family(Path(sample_config().model or "")))
     bodies = [(Endpoint.CHAT, body) for body in chat_bodies(b) if body.get("generate_response", {}).get("choices")]
@@ -296,7 +319,7 @@ def _writes(writer: str) -> Iterator[list[int]]:
     write = getattr(raw_logprobs, writer)
 
     def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
-        written.append(len(usual.content))
+        written.append(len(usual.ids))
         return write(fragments, usual, top_limit)
 
     with pytest.MonkeyPatch.context() as patch:

@@ -215,7 +215,7 @@ def test_the_usual_chunk_takes_the_lane(family: Family, top: int | None, monkeyp
     write = raw_logprobs.completion_stream_json
 
     def spy(fragments: Any, usual: Any, *args: Any) -> Any:
-        written.append(len(usual.content))
+        written.append(len(usual.ids))
         return write(fragments, usual, *args)
 
     monkeypatch.setattr(raw_logprobs, "completion_stream_json", spy)

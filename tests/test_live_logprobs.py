@@ -200,7 +200,7 @@ def test_the_usual_chunk_with_logprobs_takes_the_lane(family: Family, monkeypatc
     write = raw_logprobs.chat_json
 
     def spy(fragments: Any, usual: Any, top_limit: Any, context: Any = ()) -> Any:
-        written.append(len(usual.content))
+        written.append(len(usual.ids))
         return write(fragments, usual, top_limit, context)
 
     monkeypatch.setattr(raw_logprobs, "chat_json", spy)

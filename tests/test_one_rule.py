@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from derender_core import Answer, DerenderEngine, ExitStatus, JobSpec, RenderConfig, batch, run_job
+from derender_core.logprob_text import materialized
 from derender_core.writers import JsonlWriter
 from tests.conftest import Stack
 from tests.helpers import SAMPLE, normalized_bytes
@@ -42,7 +43,9 @@ class Injected(RuntimeError):
 
 
 def generate_part(value: Any) -> Any:
-    """What picks a record out in every stage: its generate output."""
+    """What picks a record out in every stage: its generate output (its
+    logprobs loaded where a stage holds them as their text)."""
+    value = materialized(value)
     return {key: value.get(key) for key in GENERATE_KEYS} if isinstance(value, Mapping) else None
 
 

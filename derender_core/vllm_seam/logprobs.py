@@ -32,16 +32,18 @@ import math
 import operator
 import re
 from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from itertools import accumulate, chain, compress, count, islice, repeat
 from operator import itemgetter
-from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import orjson
 from pydantic import PrivateAttr
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
 
-_ID_BOUND = 1 << 31
+from ..logprob_text import ID_BOUND, LogprobsText, materialized
+
+_ID_BOUND = ID_BOUND
 """Ids the fast path takes: 0 up to this (past the vocabulary included, as
 vLLM decodes them: ""). Others (negative, huge) take vLLM's path."""
 
@@ -75,14 +77,15 @@ _TOPS_TYPES = frozenset((list, tuple))
 
 
 class Usual(NamedTuple):
-    """A choice's logprobs content of the usual shape, as loaded, with the
-    lists the check read off it (`usual_content`)."""
+    """A choice's logprobs content of the usual shape, with the lists the
+    check read off it (`usual_content`)."""
 
-    content: list[dict[str, Any]]
+    source: list[dict[str, Any]] | LogprobsText
+    """The content as loaded, or the logprobs' text it was read from."""
     ids: list[int]
     logprobs: list[float]
-    tops: list[Any]
-    """Per position, its candidates (a list; ``()`` where absent)."""
+    counts: list[int]
+    """Per position, the candidates it holds."""
     candidate_ids: list[int]
     candidate_logprobs: list[float]
     """Every position's candidates' ids and logprobs, in order."""
@@ -108,7 +111,8 @@ class RawLogProbs(GenerateLogProbs):
 
     def validated(self) -> GenerateLogProbs:
         """The ``GenerateLogProbs`` pydantic builds from the body's field."""
-        return GenerateLogProbs.model_validate({"content": self._usual.content})
+        source = self._usual.source
+        return GenerateLogProbs.model_validate(source.loaded() if type(source) is LogprobsText else {"content": source})
 
 
 def validated(logprobs: Any) -> Any:
@@ -148,7 +152,10 @@ def usual_content(logprobs: Any, max_model_len: int, max_logprobs: int) -> Usual
     whose only key is ``content``, a list of entries; each entry a dict of
     ``token_id`` (an int, not a bool), ``logprob`` (a float), an optional
     ``rank`` (an int or None) and optional ``top_logprobs`` (a list of
-    candidates of the same fields but ``top_logprobs``; `_values_fit`)."""
+    candidates of the same fields but ``top_logprobs``; `_values_fit`).
+    A `LogprobsText` was read as that shape: only its bounds are left."""
+    if type(logprobs) is LogprobsText:
+        return _usual_text(logprobs, max_model_len, max_logprobs)
     if type(logprobs) is not dict or logprobs.keys() != {"content"}:
         return None
     content = logprobs["content"]
@@ -160,12 +167,21 @@ def usual_content(logprobs: Any, max_model_len: int, max_logprobs: int) -> Usual
     tops = list(map(dict.get, content, repeat("top_logprobs"), repeat(())))
     if not set(map(type, tops)) <= _TOPS_TYPES:
         return None
-    if tops and max_logprobs >= 0 and max(map(len, tops)) > max_logprobs:
+    counts = list(map(len, tops))
+    if counts and max_logprobs >= 0 and max(counts) > max_logprobs:
         return None
     candidates = _values_fit(list(chain.from_iterable(tops)))
     if candidates is None:
         return None
-    return Usual(content, *sampled, tops, *candidates)
+    return Usual(content, *sampled, counts, *candidates)
+
+
+def _usual_text(text: LogprobsText, max_model_len: int, max_logprobs: int) -> Usual | None:
+    """`usual_content` of logprobs read from their text (every id in [0,
+    `_ID_BOUND`)): within the bounds."""
+    if len(text.ids) > max_model_len or (text.counts and max_logprobs >= 0 and max(text.counts) > max_logprobs):
+        return None
+    return Usual(text, text.ids, text.logprobs, text.counts, text.candidate_ids, text.candidate_logprobs)
 
 
 class _ByCount(dict[int, tuple[dict[int, str], ...]]):
@@ -220,12 +236,7 @@ class Fragments:
         """The token per key (completion logprobs' text offsets)."""
         self.token_json: dict[int, str] = {}
         """The token's JSON string per key."""
-        # A completion candidate's key: ``{"token":`` for a position's
-        # first, ``,"token":`` for the others.
-        self.first: dict[int, str] = {}
-        self.following: dict[int, str] = {}
         self.chat_closings = _ByCount(self._chat_closings)
-        self.completion_openings = _ByCount(self._completion_openings)
         self.corrected: set[int] = set()
         """Ids whose piece ends in U+FFFD: vLLM corrects them by context."""
         self.settled: set[int] = set()
@@ -245,17 +256,13 @@ class Fragments:
     def _tables(self) -> tuple[dict[int, str], ...]:
         return (
             self.opening, self.head, self.alone, self.inner, self.last,
-            self.token, self.token_json, self.first, self.following,
+            self.token, self.token_json,
         )  # fmt: skip
 
     def _chat_closings(self, count: int) -> tuple[dict[int, str], ...]:
         """A chat position's entries' closing tables, for `count` kept
         candidates."""
         return (self.alone,) if count == 0 else (self.head, *repeat(self.inner, count - 1), self.last)
-
-    def _completion_openings(self, count: int) -> tuple[dict[int, str], ...]:
-        """A completion position's candidates' key tables."""
-        return (self.first, *repeat(self.following, count - 1)) if count else ()
 
     def key_of(self, token: str) -> int:
         """The negative key of a corrected token (``bytes`` its UTF-8, as
@@ -310,8 +317,6 @@ class Fragments:
         self.last[key] = closing + "}]},"
         self.token[key] = piece.token
         self.token_json[key] = token_json
-        self.first[key] = "{" + token_json + ":"
-        self.following[key] = "," + token_json + ":"
 
 
 class _Kept(NamedTuple):
@@ -344,8 +349,7 @@ def _kept(
     With `learn`, the fragments of ids not met before are made first;
     without, such an id is left for the writer's lookup to raise KeyError
     on (`_learning`), which saves a pass over the ids where all are known."""
-    ids, logprobs, tops = usual.ids, usual.logprobs, usual.tops
-    counts = list(map(len, tops))
+    ids, logprobs, counts = usual.ids, usual.logprobs, usual.counts
     if top_limit is None or not counts or max(counts) <= top_limit:
         kept_ids, kept_logprobs = usual.candidate_ids, usual.candidate_logprobs
     elif top_limit == 0:
@@ -359,10 +363,11 @@ def _kept(
             kept_ids[j::top_limit] = usual.candidate_ids[j::every]
             kept_logprobs[j::top_limit] = usual.candidate_logprobs[j::every]
     else:
+        starts = list(accumulate(counts, initial=0))
         counts = list(map(min, counts, repeat(top_limit)))
-        candidates = list(chain.from_iterable(map(itemgetter(slice(0, top_limit)), tops)))
-        kept_ids = list(map(_token_ids, candidates))
-        kept_logprobs = list(map(_logprobs, candidates))
+        cuts = list(map(slice, starts, map(operator.add, starts, counts)))
+        kept_ids = list(chain.from_iterable(map(usual.candidate_ids.__getitem__, cuts)))
+        kept_logprobs = list(chain.from_iterable(map(usual.candidate_logprobs.__getitem__, cuts)))
     if not math.isfinite(sum(logprobs) + sum(kept_logprobs)):
         return None
     ends = list(accumulate(counts, initial=0))
@@ -530,15 +535,14 @@ def _chat_entries(fragments: Fragments, kept: _Kept) -> list[str]:
 def completion_json(fragments: Fragments, usual: Usual, top_limit: int | None) -> bytes | None:
     """``_convert_chat_logprobs_to_completion_logprobs`` of
     ``_resolve_logprobs``' answer for this checked content, as JSON in
-    UTF-8 (one call's: text offsets from 0): parallel lists; a position generate gave
-    no candidates (before the cut) is null, others an object of the kept
-    candidates keyed by token, a repeated token keeping its first place and
-    its last logprob, as a dict does. None if a logprob is not finite.
+    UTF-8 (one call's: text offsets from 0): parallel lists; a position
+    generate gave no candidates (before the cut) is null, others an object
+    of the kept candidates keyed by token, a repeated token keeping its
+    first place and its last logprob, as a dict does. None if a logprob is
+    not finite.
 
-    The objects are written as one join: per kept candidate its key (with
-    ``{`` before a position's first, a comma before the others) and its
-    float; per position a head closing the one before and writing it whole
-    where it kept none."""
+    The objects are the dicts themselves, made per position in C and
+    written by orjson (`_completion_json`)."""
     written = _learning(_completion_json, fragments, usual, top_limit)
     return None if written is None else written[0]
 
@@ -566,56 +570,42 @@ def _completion_json(
     kept = _kept(fragments, usual, top_limit, learn, context)
     if kept is None:
         return None
-    keys, counts, ends, candidate_keys = kept.keys, kept.counts, kept.ends, kept.candidate_keys
+    keys, candidate_keys = kept.keys, kept.candidate_keys
     offsets = list(accumulate(map(len, map(fragments.token.__getitem__, keys)), initial=text_offset))
     end = offsets.pop()
-    heads = [
-        ("}," if before else ",") + ("" if now else "{}" if had else "null")
-        for before, now, had in zip(chain((0,), counts), counts, usual.tops)
-    ]
-    if heads:
-        heads[0] = heads[0][1:]
-    values = _float_texts(kept.candidate_logprobs)
-    tokens = list(map(fragments.token_json.__getitem__, candidate_keys))
+    # Per position the dict vLLM builds ({token: logprob}: a repeated token
+    # keeps its first place and takes its last logprob), null where
+    # generate gave no candidates, written by orjson, which writes strings
+    # as the response's json.dumps does (every character but surrogates,
+    # which no decode gives: `tests/test_fast_logprobs.py`) and floats by
+    # `_float_values`.
+    tokens = list(map(fragments.token.__getitem__, candidate_keys))
+    values = _float_values(kept.candidate_logprobs)
     width = kept.width
-    groups_of_tokens: Any = zip(*[iter(tokens)] * width) if width else _grouped(tokens, ends)
-    repeats = list(compress(count(), map(operator.ne, map(len, map(set, groups_of_tokens)), counts)))
-    if width and _in_columns(len(keys), width):  # in columns, as in `_chat_columns`; a repeat's place padded
-        step = 2 * width + 1
-        merged: list[str] = [""] * (step * len(keys))
-        merged[0::step] = heads
-        for j in range(width):
-            table = fragments.first if j == 0 else fragments.following
-            merged[2 * j + 1 :: step] = map(table.__getitem__, candidate_keys[j::width])
-            merged[2 * j + 2 :: step] = values[j::width]
-        for position in repeats:
-            items = _deduplicated(tokens, values, ends[position], ends[position + 1])
-            merged[position * step + 1 : (position + 1) * step] = items + [""] * (step - 1 - len(items))
+    if width:
+        rows = zip(*[iter(tokens)] * width, strict=True), zip(*[iter(values)] * width, strict=True)
+        objects: list[Any] = list(map(dict, map(zip, *rows)))
     else:
-        items: list[str] = [""] * (2 * len(candidate_keys))
-        openings = chain.from_iterable(map(fragments.completion_openings.__getitem__, counts))
-        items[0::2] = map(dict.__getitem__, openings, candidate_keys)
-        items[1::2] = values
-        groups = _grouped(items, [2 * end for end in ends])
-        for position in repeats:
-            groups[position] = _deduplicated(tokens, values, ends[position], ends[position + 1])
-        merged = _flat(heads, groups)
-    objects = "".join(merged) + ("}" if counts and counts[-1] else "")
+        objects = list(map(dict, map(zip, _grouped(tokens, kept.ends), _grouped(values, kept.ends))))
+        for position in compress(count(), map(operator.not_, usual.counts)):
+            objects[position] = None
     return b"".join((
         b'{"text_offset":', orjson.dumps(offsets), b',"token_logprobs":', floats_json(kept.logprobs),
         b',"tokens":[', ",".join(map(fragments.token_json.__getitem__, keys)).encode("latin-1"),
-        b'],"top_logprobs":[', objects.encode("latin-1"), b"]}",
+        b'],"top_logprobs":', orjson.dumps(objects), b"}",
     )), end  # fmt: skip
 
 
-def _deduplicated(tokens: list[str], values: list[str], start: int, end: int) -> list[str]:
-    """One position's candidates as the dict vLLM builds of them
-    (``{token: logprob}``) writes them, where a token repeats: its first
-    place and its last logprob."""
-    last = {tokens[k]: k for k in range(start, end)}
-    items = list(chain.from_iterable(("," + token + ":", values[k]) for token, k in last.items()))
-    items[0] = "{" + items[0][1:]
-    return items
+def _float_values(values: list[float]) -> list[Any]:
+    """Finite floats for orjson to write within a document as ``json.dumps``
+    writes each (its repr): the floats, where orjson writes them all so
+    (none with an exponent of -5 or a one-digit negative one, `floats_json`);
+    else each one's text, as an ``orjson.Fragment``."""
+    if floats_json is _orjson_floats:
+        written = orjson.dumps(values)
+        if b"0.0000" not in written and b"e-" not in written:
+            return values
+    return list(map(orjson.Fragment, _float_texts(values)))
 
 
 def _corrections(
@@ -819,11 +809,13 @@ class ByteLevelBytes:
 def carried(body: dict[str, Any], serving: Any) -> dict[str, Any]:
     """A one-shot chat or completion body whose choices' logprobs of the
     usual shape (`usual_content`) are replaced by `RawLogProbs`, for
-    validation to pass on as they are: a new body, the caller's left as
-    sent. The same body where none is, or where the derenderer cannot
-    write them (no token table: vLLM's functions would read the models)."""
+    validation to pass on as they are, and any other read from their text
+    (`LogprobsText`) by the dict it stands for: a new body, the caller's
+    left as sent. The same body where none is, or where the derenderer
+    cannot write them (no token table: vLLM's functions would read the
+    models)."""
     if not getattr(serving.online_derenderer, "fast", False):
-        return body
+        return materialized(body)
     bounds = (serving.model_config.max_model_len, serving.model_config.max_logprobs)
     response = body.get("generate_response")
     if type(response) is dict:
@@ -846,8 +838,12 @@ def _carried_response(response: dict[str, Any], bounds: tuple[int, int]) -> dict
     replaced, any_replaced = list(choices), False
     for index, choice in enumerate(choices):
         if type(choice) is dict and choice.get("logprobs") is not None:
-            usual = usual_content(choice["logprobs"], *bounds)
+            logprobs = choice["logprobs"]
+            usual = usual_content(logprobs, *bounds)
             if usual is not None:
                 replaced[index] = {**choice, "logprobs": RawLogProbs.of(usual)}
+                any_replaced = True
+            elif type(logprobs) is LogprobsText:
+                replaced[index] = {**choice, "logprobs": logprobs.loaded()}
                 any_replaced = True
     return {**response, "choices": replaced} if any_replaced else response

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from ..api import CodeAPI
 from ..config import RenderConfig
 from ..errors import ConfigError
+from ..logprob_text import materialized
 from ..protocol import Answer, Endpoint, parsed_body
 from . import versions
 from .answers import json_answer, stream_answer
@@ -273,6 +274,19 @@ class DerenderEngine(CodeAPI):
         return decode if self._fast_paths.decode else "reference"
 
     @property
+    def reads_logprob_text(self) -> bool:
+        """Whether one-shot bodies may hold logprobs as their text
+        (`logprob_text`): where the fast decode writes the usual ones
+        (`logprobs.carried`); every other route loads them first
+        (`logprob_text.materialized`)."""
+        return (
+            self.decode == "fast"
+            and self._fast_paths.logprobs
+            and versions.proven("lp_text")
+            and bool(getattr(self._serving.online_derenderer, "fast", False))
+        )
+
+    @property
     def decoder_kind(self) -> str:
         """How this engine decodes: the proven decoder kind of a fast path
         ("byte-level", "sentencepiece"), "incremental" for a fast tokenizer
@@ -424,11 +438,13 @@ class DerenderEngine(CodeAPI):
                 from .logprobs import carried
 
                 fast_body = carried(fast_body, self._serving)
+            else:
+                fast_body = materialized(fast_body)
             try:
                 return one_shot.validate_python(fast_body, from_attributes=True)
             except Exception:  # noqa: BLE001 - the union answers it, as today
                 pass
-        return self._bodies[endpoint].validate_python(body, from_attributes=True)
+        return self._bodies[endpoint].validate_python(materialized(body), from_attributes=True)
 
     def _keeps_stream_requests(self) -> bool:
         """Whether a stream's request is validated on its first call only

@@ -660,6 +660,7 @@ class ServeEngine(DerenderEngine):
 
     window = WINDOW
     _answers_directly = False  # every call goes to vllm serve's handlers (`_dispatch`)
+    reads_logprob_text = False  # type: ignore[assignment]  # vllm serve's handlers read the bodies
 
     def __init__(
         self,

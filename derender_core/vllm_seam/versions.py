@@ -26,6 +26,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "live": ("0.33.0", "0.34.0"),
     "replay": ("0.33.0", "0.34.0"),
     "logprobs": ("0.33.0", "0.34.0"),
+    "lp_text": ("0.33.0", "0.34.0"),
     "stream_lp": ("0.33.0", "0.34.0"),
     "live_cmpl": ("0.33.0", "0.34.0"),
     "serve": ("0.33.0", "0.34.0"),
@@ -54,6 +55,9 @@ PROVEN: dict[str, tuple[str, ...]] = {
 - ``logprobs``: a one-shot chat or completion choice's logprobs of the usual shape
   checked in the loaded body and written from it, with no model per
   position (`logprobs`; needs ``decode`` and ``requests``);
+- ``lp_text``: a one-shot record's choices' logprobs read from its line's
+  text by a typed decode into the lists ``logprobs`` writes from, never
+  loaded as dicts (`logprob_text`; needs ``logprobs``);
 - ``stream_lp``: a live chat chunk's logprobs of the usual shape taken by
   the chunk lane and written from the loaded chunk as the one-shot path
   writes them (`live.ChunkLane`; needs ``live`` and ``logprobs``);
