@@ -217,7 +217,8 @@ class RecordProcessor:
         self.ledger = StreamLedger()
         self.prompts = PromptRenderer(engine)
         self.passed = PassedPrompts()
-        self.splits = not job.stream and not job.endpoint.renders and engine.reads_logprob_text
+        # (An engine written before `reads_logprob_text` holds loaded bodies.)
+        self.splits = not job.stream and not job.endpoint.renders and getattr(engine, "reads_logprob_text", False)
         """Whether a one-shot record's logprobs are read from its text
         (`logprob_text`), for a path whose writer takes them so."""
 

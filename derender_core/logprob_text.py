@@ -67,10 +67,11 @@ class _Entry(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 class _Logprobs(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """The usual shape, as `vllm_seam.logprobs.usual_content` takes it from
-    a loaded dict, but for two readings msgspec makes and pydantic's
-    validation makes alike: a JSON integer logprob is its float. Any other
-    key, type, a token id out of [0, 2**31) or a missing field fails the
-    decode, and the value is loaded as a dict."""
+    a loaded dict, with no other key anywhere, but for one reading msgspec
+    and pydantic's validation make alike: a logprob written as a JSON
+    integer is its float. Any other key, type, a token id out of [0, 2**31)
+    or a missing field fails the decode, and the value is loaded as a dict
+    (a repeated key's last value counts, in msgspec as in orjson)."""
 
     content: list[_Entry]
 
@@ -151,12 +152,13 @@ def split_body(text: bytes) -> Any | None:
     if not places:
         return None
     spans: list[tuple[int, int, tuple[Any, ...]]] = []
-    searched_from: dict[bytes, int] = {}
     for path, value in places:
-        start = _find(text, value, searched_from.get(value, 0))
+        # Two choices may hold the same text: each takes a place not taken.
+        start = _find(text, value, 0)
+        while start >= 0 and any(taken <= start < end for taken, end, _ in spans):
+            start = _find(text, value, start + 1)
         if start < 0:
             return None
-        searched_from[value] = start + len(value)
         spans.append((start, start + len(value), path))
     spans.sort(key=lambda span: span[0])
     pieces: list[bytes] = []

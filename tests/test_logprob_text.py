@@ -155,7 +155,7 @@ def _texts(body: Any) -> Iterator[LogprobsText]:
         yield body
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(line=lines())
 def test_a_split_line_is_its_plain_loading(line: bytes) -> None:
     """Where `split_body` reads a line, its body is the plain loading's, and

@@ -8,8 +8,9 @@ models again (``_resolve_logprobs``), and the response serialises those.
 For an 8,000-token answer with 5 candidates a position that is some 100,000
 models, where the answer is a few megabytes of JSON.
 
-Here the usual shape is recognised in the loaded body by one structural
-check over whole lists at a time (`usual_content`): every entry and
+Here the usual shape is recognised in the loaded body (or, in a job, read
+from the line's text, `logprob_text`) by one structural check over whole
+lists at a time (`usual_content`): every entry and
 candidate a dict with an int id in range, a float logprob, a rank that is
 an int or null, within the server's bounds. Pydantic's validation
 accepts exactly such a body and keeps each value as it is (an int id, the
@@ -186,7 +187,7 @@ def _usual_text(text: LogprobsText, max_model_len: int, max_logprobs: int) -> Us
 
 class _ByCount(dict[int, tuple[dict[int, str], ...]]):
     """Per number of kept candidates, the fragment table each entry of a
-    position takes its closing (or opening) from, made on first use."""
+    position takes its closing from, made on first use."""
 
     def __init__(self, make: Callable[[int], tuple[dict[int, str], ...]]) -> None:
         super().__init__()
