@@ -270,3 +270,37 @@ def _job_bytes(engine: DerenderEngine, job: Job, line: bytes) -> tuple[bytes, in
     out = io.BytesIO()
     report = run_lines(engine, job, [line], JsonlWriter(out))
     return normalized_bytes(out.getvalue()), report.return_code
+
+
+@pytest.mark.parametrize("lp_text", [True, False])
+def test_a_job_hands_the_writer_the_logprobs_read_from_text(
+    sample: Any,  # noqa: F811
+    lp_text: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job over a record with usual logprobs hands the writer the lists
+    read from the line's text; with ``off:lp_text``, the loaded dicts. The
+    output is the same."""
+    from derender_core.vllm_seam import logprobs as raw_logprobs
+    from derender_core.vllm_seam.versions import OFF_ENV
+    from tests.sample_inputs import logprobs_for
+
+    engine, bodies = sample
+    body = copy.deepcopy(next(body for endpoint, body in bodies if endpoint is Endpoint.CHAT))
+    choice = body["generate_response"]["choices"][0]
+    choice["logprobs"] = logprobs_for(choice["token_ids"], top=6)
+    body["chat_request"].update(logprobs=True, top_logprobs=5)
+    if not lp_text:
+        monkeypatch.setenv(OFF_ENV, "off:lp_text")
+    sources: list[type] = []
+    write = raw_logprobs.chat_json
+
+    def spy(fragments: Any, usual: Any, top_limit: Any) -> Any:
+        sources.append(type(usual.source))
+        return write(fragments, usual, top_limit)
+
+    monkeypatch.setattr(raw_logprobs, "chat_json", spy)
+    got = _job_bytes(engine.in_mode(live=True), Job(Endpoint.CHAT, stream=False), orjson.dumps(body))
+    assert sources == [LogprobsText if lp_text else list]
+    monkeypatch.undo()
+    assert got == _job_bytes(engine.in_mode(live=True, decode="reference"), Job(Endpoint.CHAT, stream=False), orjson.dumps(body))
