@@ -278,12 +278,14 @@ class DerenderEngine(CodeAPI):
         """Whether one-shot bodies may hold logprobs as their text
         (`logprob_text`): where the fast decode writes the usual ones
         (`logprobs.carried`); every other route loads them first
-        (`logprob_text.materialized`)."""
+        (`logprob_text.materialized`). Read from this engine's own mode and
+        the stack's token table, not from the derenderer's ``fast``, which
+        follows the mode of whichever engine of the stack posted last."""
         return (
             self.decode == "fast"
             and self._fast_paths.logprobs
             and versions.proven("lp_text")
-            and bool(getattr(self._serving.online_derenderer, "fast", False))
+            and getattr(self._serving.online_derenderer, "table", None) is not None
         )
 
     @property
