@@ -151,22 +151,22 @@ def split_body(text: bytes) -> Any | None:
     places = list(_places(skeleton))
     if not places:
         return None
-    spans: list[tuple[int, int, tuple[Any, ...]]] = []
+    spans: list[tuple[int, int, tuple[Any, ...], bytes]] = []
     for path, value in places:
         # Two choices may hold the same text: each takes a place not taken.
         start = _find(text, value, 0)
-        while start >= 0 and any(taken <= start < end for taken, end, _ in spans):
+        while start >= 0 and any(taken <= start < end for taken, end, _, _ in spans):
             start = _find(text, value, start + 1)
         if start < 0:
             return None
-        spans.append((start, start + len(value), path))
+        spans.append((start, start + len(value), path, value))
     spans.sort(key=lambda span: span[0])
     pieces: list[bytes] = []
     at = 0
-    for number, (start, end, _) in enumerate(spans):
+    for number, (start, end, _, _) in enumerate(spans):
         if start < at:
             return None
-        pieces += (text[at:start], b'"', _PLACEHOLDER, str(number).encode(), b'"')
+        pieces += (text[at:start], b'"', _placeholder(number), b'"')
         at = end
     pieces.append(text[at:])
     rest = b"".join(pieces)
@@ -176,8 +176,7 @@ def split_body(text: bytes) -> Any | None:
         body = orjson.loads(rest)
     except orjson.JSONDecodeError:
         return None
-    for number, (start, end, path) in enumerate(spans):
-        value = text[start:end]
+    for number, (_, _, path, value) in enumerate(spans):
         try:
             read: _Logprobs | None = _LOGPROBS.decode(value)
         except _UNREAD:
@@ -189,9 +188,14 @@ def split_body(text: bytes) -> Any | None:
             stand_in: Any = loaded
         else:
             stand_in = LogprobsText(value, read)
-        if not _put(body, path, (_PLACEHOLDER + str(number).encode()).decode(), stand_in):
+        if not _put(body, path, _placeholder(number).decode(), stand_in):
             return None
     return body
+
+
+def _placeholder(number: int) -> bytes:
+    """The text standing in the line for the `number`-th value cut out."""
+    return _PLACEHOLDER + str(number).encode()
 
 
 def _places(skeleton: _Skeleton) -> Any:
@@ -264,24 +268,24 @@ def materialized(body: Any) -> Any:
     (the caller's body left as it was)."""
     if not holds_text(body):
         return body
-    copied = {**body}
-    for key in ("generate_response", "generate_responses"):
-        if key in copied:
-            copied[key] = _copied_containers(copied[key])
-    if type(copied.get("choices")) is list:
-        copied["choices"] = [{**c} if type(c) is dict else c for c in copied["choices"]]
-    for choice, text in list(_texts(copied)):
-        choice["logprobs"] = text.loaded()
+    copied = {**_loaded_response(body)}
+    if "generate_response" in copied:
+        copied["generate_response"] = _loaded_response(copied["generate_response"])
+    if type(copied.get("generate_responses")) is list:
+        copied["generate_responses"] = list(map(_loaded_response, copied["generate_responses"]))
     return copied
 
 
-def _copied_containers(value: Any) -> Any:
-    """A response (or a list of them) with its choices' dicts copied."""
-    if type(value) is list:
-        return [_copied_containers(item) for item in value]
-    if type(value) is dict:
-        choices = value.get("choices")
-        if type(choices) is list:
-            return {**value, "choices": [{**c} if type(c) is dict else c for c in choices]}
-        return {**value}
-    return value
+def _loaded_response(response: Any) -> Any:
+    """A response with its choices' `LogprobsText` loaded, as a copy; the
+    response itself where its choices are not a list."""
+    choices = response.get("choices") if type(response) is dict else None
+    if type(choices) is not list:
+        return response
+    loaded = [
+        {**choice, "logprobs": choice["logprobs"].loaded()}
+        if type(choice) is dict and type(choice.get("logprobs")) is LogprobsText
+        else choice
+        for choice in choices
+    ]
+    return {**response, "choices": loaded}
