@@ -23,9 +23,11 @@ call, no pacer, no parity), checked to write the serve path's bytes. It
 bounds what the streamed serve path can come to: the 5x target is met only
 where derender's share is what the target leaves above it. Then the same
 streams' calls alone (`stream_calls`: each chunk body through the derender
-contract, without parity), to show how much of that share the calls take;
-the floor and the calls take turns, each figure the best of --repeat
-(`record_floor.best`).
+contract, without parity), to show how much of that share the calls take.
+Last, what the pair would cost if every call cost nothing: the floor, plus
+parity's reading of those answers (`parity_reading`) and the ``oneshot``
+half alone, which the pair needs whatever its calls cost. The four take
+turns, each figure the best of --repeat (`record_floor.best`).
 """
 
 from __future__ import annotations
@@ -104,19 +106,40 @@ def stream_floor(serve: Any, inputs: list[tuple[Any, Any, Any, list[Any]]], wind
     return written
 
 
-def stream_calls(serve: Any, streams: list[list[dict[str, Any]]]) -> list[bytes]:
+def stream_calls(serve: Any, streams: list[list[dict[str, Any]]]) -> list[list[Any]]:
     """The serve path's calls alone: each stream's chunk bodies posted in
     turn through the derender contract (`ServeEngine.drive`, its windows),
-    their frames joined, with nothing of parity's reading or comparing."""
+    with nothing of parity's reading or comparing; each stream's answers."""
     from derender_core import Endpoint
 
     def script(chunks: list[dict[str, Any]]) -> Any:
-        frames = []
+        answers = []
         for chunk in chunks:
-            frames += (yield Endpoint.CHAT, chunk).frames
-        return b"".join(frames)
+            answers.append((yield Endpoint.CHAT, chunk))
+        return answers
 
     return list(serve.drive([script(chunks) for chunks in streams]))
+
+
+def parity_reading(streams: list[list[dict[str, Any]]], answers: list[list[Any]]) -> None:
+    """Parity's reading of the serve path's answers to the streams, as
+    ``derender parity`` reads them (`Parity._stream`: the ledger, each
+    frame loaded, the stream assembled), fed the answers `stream_calls`
+    gave (copies, so that no frame comes loaded)."""
+    from derender_core import Endpoint
+    from derender_core.parity import Parity
+    from derender_core.protocol import FramesAnswer
+
+    checker = Parity({}, Endpoint.CHAT)
+    for bodies, given in zip(streams, answers, strict=True):
+        script = checker._stream(bodies, [])
+        script.send(None)
+        try:
+            for answer in given:
+                script.send(FramesAnswer(answer.frames, answer.late))
+        except StopIteration:
+            continue
+        raise AssertionError("parity's reading asked for more calls than the stream has")
 
 
 def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict[str, float]:
@@ -169,11 +192,19 @@ def measure(records: Path, count: int, repeat: int, floor: bool = False) -> dict
             serve, inputs = engines["serve"], floor_inputs(bodies)
             streams = [stream_bodies(body, Endpoint.CHAT, Chunking(1)) for body in bodies]
             written, called = stream_floor(serve, inputs[:1])[0], stream_calls(serve, streams[:1])[0]
-            if normalized_bytes(written) != normalized_bytes(called):
+            if normalized_bytes(written) != normalized_bytes(b"".join(f for answer in called for f in answer.frames)):
                 raise SystemExit("the floor's bytes are not the serve path's")
-            # The two take turns, so that a busy spell weighs on both alike.
-            timed = best_in_turns((lambda: stream_floor(serve, inputs), lambda: stream_calls(serve, streams)), repeat)
-            figures["floor"], figures["calls"] = (seconds / len(bodies) for seconds in timed)
+            answers = stream_calls(serve, streams)
+            one_shot = Parity({"oneshot": engines["oneshot"]}, Endpoint.CHAT)
+            # They take turns, so that a busy spell weighs on all alike.
+            timed = best_in_turns(
+                (lambda: stream_floor(serve, inputs), lambda: stream_calls(serve, streams),
+                 lambda: parity_reading(streams, answers), lambda: list(one_shot.examined(requests(False)))),
+                repeat,
+            )  # fmt: skip
+            figures["floor"], figures["calls"], figures["reading"], figures["oneshot"] = (
+                seconds / len(bodies) for seconds in timed
+            )
     return figures
 
 
@@ -241,10 +272,14 @@ def main() -> None:
           f"with as little around it as drives it): {now['floor'] * 1e3:.2f} ms, the serve path "
           f"{now['serve'] / now['floor']:.2f}x it; the target needs at most {allowed * 1e3:.2f} ms, of which the "
           f"floor is {now['floor'] / allowed:.0%}")  # fmt: skip
+    bound = now["floor"] + now["reading"] + now["oneshot"]
+    print(f"with every call free: the floor, parity's reading of the same answers ({now['reading'] * 1e3:.2f} ms) "
+          f"and the oneshot half ({now['oneshot'] * 1e3:.2f} ms) come to {bound * 1e3:.2f} ms, {bound / allowed:.0%} of "
+          f"what the target allows")  # fmt: skip
     calls = args.tokens + 1  # one chunk a token, then the usage chunk
     print(f"the same streams' calls alone, through the derender contract without parity: {now['calls'] * 1e3:.2f} ms, "
-          f"{(now['calls'] - now['floor']) / calls * 1e6:.0f} us a call above the floor; the target leaves "
-          f"{(allowed - now['floor']) / calls * 1e6:.0f} us a call for the calls, parity's reading and the oneshot half")  # fmt: skip
+          f"{(now['calls'] - now['floor']) / calls * 1e6:.0f} us a call above the floor; the target leaves the calls "
+          f"{(allowed - bound) / calls * 1e6:.0f} us a call, and parity's comparing nothing")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from tests.sample_inputs import (
     parser_corner_plans,
     stream_bodies,
     stream_plans,
+    with_rejected_calls,
 )
 from tests.serve_oracle import one_shot_steps, oracle_body, stream_steps
 
@@ -258,6 +259,117 @@ def test_a_streams_request_is_validated_once(qwen3_serve: ServeStack, monkeypatc
     monkeypatch.setattr(engine, "_keeps_stream_requests", lambda: False)
     assert _seen([engine.post(Endpoint.CHAT, copy.deepcopy(body)) for body in bodies]) == kept
     assert len(validated) == len(bodies)
+
+
+# --- a stream's usual call without validation (fast path serve_lane) ------------
+#
+# A stream's call of one choice of ids, no finish, stop reason or
+# logprobs, whose request and prompt ids are its first call's, goes to the
+# stream without the per-call validation (`ServeEngine._usual_chunk`).
+# These tests hold every answer to the one the same call gets validated
+# (the lane off), findings and lateness included, and count the calls the
+# lane took, so that they would fail if it took none.
+
+
+def _lane_as_validated(engine: serve.ServeEngine, work: list[tuple[Endpoint, list[Any]]], window: int) -> int:
+    """Each script answered as with the lane off, in a window and alone;
+    how many calls the lane took."""
+    usual = engine._usual_chunk
+    taken = []
+
+    def counted(endpoint: Endpoint, body: Any) -> Any:
+        found = usual(endpoint, body)
+        if found is not None:
+            taken.append(found)
+        return found
+
+    engine._lane_on = False
+    try:
+        validated = [_seen(answers) for answers in engine.drive((_calls(e, b) for e, b in work), window=1)]
+    finally:
+        engine._lane_on = True
+    engine._usual_chunk = counted  # type: ignore[method-assign]
+    try:
+        for size in (1, window):
+            laned = [_seen(answers) for answers in engine.drive((_calls(e, b) for e, b in copy.deepcopy(work)), window=size)]
+            assert laned == validated, size
+    finally:
+        del engine._usual_chunk
+    return len(taken)
+
+
+@requires_fast("serve_lane", "requests")
+def test_usual_calls_answer_as_validated(qwen3_serve: ServeStack) -> None:
+    """The stream corpora (chat and completions, n > 1, logprobs, tool
+    calls, finish-only tails), the sample's streams, and calls the server
+    rejects between a stream's calls."""
+    b = qwen3_serve.builder
+    chat = _streams_by_request(stream_bodies(b, chat_stream_corpus(b)))
+    completion = _streams_by_request(stream_bodies(b, completion_stream_plans(b)))
+    sample = _streams_by_request([json.loads(line) for line in (SAMPLE / "stream.jsonl").read_text().splitlines()])
+    first = chat[0]
+    rejected = with_rejected_calls(first, first[0]["generate_chunk"]["request_id"])
+    work = _scripts_of(Endpoint.CHAT, [], [*chat, *sample, rejected]) + _scripts_of(Endpoint.COMPLETION, [], completion)
+    calls = sum(len(bodies) for _, bodies in work)
+    assert _lane_as_validated(qwen3_serve.engine, work, window=32) > calls // 2
+
+
+_NOT_IDS: list[Any] = [None, [], [2**40], [1.0], ["1"], [True], [-1], "1", {}]
+_ODD: dict[str, list[Any]] = {
+    "index": [1, 5, -1, True, "0", 0.0, None],
+    "token_ids": _NOT_IDS,
+    "finish_reason": [None, "stop", "length", "abort", 3],
+    "stop_reason": [None, 7, "END", 1.5],
+    "logprobs": [None, {}, {"content": None}, []],
+}
+"""A choice's values, the usual among them, drawn in place of a call's."""
+
+
+@st.composite
+def _drawn_calls(draw: st.DrawFn, bodies: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """A stream's calls, each after the first maybe changed: a choice's
+    field, the chunk's or the body's (their values the usual ones or not),
+    the request or prompt ids another's, the stream's own state field."""
+    calls = copy.deepcopy(bodies)
+    for body in calls[1:]:
+        for _ in range(draw(st.integers(0, 2))):
+            where = draw(st.sampled_from(["choice", "chunk", "body", "request", "prompt"]))
+            chunk = body["generate_chunk"]
+            choices = chunk.get("choices")
+            if where == "choice" and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                key = draw(st.sampled_from(sorted(_ODD)))
+                chunk["choices"][0][key] = draw(st.sampled_from(_ODD[key]))
+            elif where == "chunk":
+                key = draw(st.sampled_from(["prompt_token_ids", "usage", "output_mode", "extra", "choices"]))
+                chunk[key] = draw(st.sampled_from([None, [1, 2], "tokens", 3, []]))
+            elif where == "body":
+                key = draw(st.sampled_from(["model", "prompt_tokens", "stream_state", "stream", "extra"]))
+                body[key] = draw(st.sampled_from([None, "nope", model, 3, "3", True, 1, {}]))
+            elif where == "request":
+                body["chat_request"] = {**body["chat_request"], "temperature": draw(st.sampled_from([0.5, 1, "x"]))}
+            else:
+                body["prompt_token_ids"] = draw(st.sampled_from([None, [], bodies[0]["prompt_token_ids"][:-1], [1.0]]))
+    return calls
+
+
+@requires_fast("serve_lane", "requests")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_drawn_calls_answer_as_validated(qwen3_serve: ServeStack, data: st.DataObject) -> None:
+    """Drawn changes to a stream's later calls, of the lane's fields or
+    beside them: each call's answer is the one it gets validated."""
+    b = qwen3_serve.builder
+    messages = [{"role": "user", "content": "Say hi."}]
+    plan = StreamPlan(
+        request_id="drawn-lane",
+        prompt=b.prompt_ids(messages, **b.family.thinking_off),
+        request=b.chat_request(
+            messages, chat_template_kwargs=b.family.thinking_off, stream=True, stream_options={"include_usage": True},
+        ),  # fmt: skip
+        choices=[chunks_of(b.encode("Hi there, friend! Bye.") + [b.family.eos_id], [1, 2])],
+    )
+    calls = data.draw(_drawn_calls(stream_bodies(b, [plan]), b.family.served_name))
+    _lane_as_validated(qwen3_serve.engine, [(Endpoint.CHAT, calls)], window=2)
 
 
 # --- known serve behaviour --------------------------------------------------------

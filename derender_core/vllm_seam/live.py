@@ -771,6 +771,20 @@ class ChunkLane:
             return None
         return _Call(state, request_id, index, token_ids, chosen, model, known.request, known.prompt_token_ids)
 
+    def stateless(self, endpoint: Endpoint, body: Any) -> _Call | None:
+        """The values of a stream's usual call that carries no state (the
+        serve path's, which keeps its streams itself): a body of the
+        streaming request's fields without ``stream_state`` (or with it
+        null), one choice of ids with no finish, stop reason or logprobs,
+        and the request and prompt ids its stream's first call validated
+        (`KnownRequest.same`); None for anything else. For such a body
+        the streaming request's validation is the identity (`_usual`)."""
+        if endpoint is Endpoint.CHAT:
+            return self._usual(body, type(None), _BODY_FIELDS, "chat_request", self.layout, False)
+        return self._usual(
+            body, type(None), _COMPLETION_BODY_FIELDS, "completion_request", self.completion_layout, False
+        )
+
     def answer(self, body: Any) -> Answer | None:
         call = self._usual(body, LiveState, _BODY_FIELDS, "chat_request", self.layout, self.logprobs)
         if call is None:

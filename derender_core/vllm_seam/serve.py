@@ -42,6 +42,12 @@ Steps are paced: after each step the loop runs until every task waits
 again, so the collector is drained before the next step and steps never
 merge into one frame.
 
+A stream call is validated as the derender endpoint validates it, its
+request once per stream (fast path ``requests``), and with fast path
+``serve_lane`` a usual call (one choice of ids, no finish, stop reason or
+logprobs, the stream's first request and prompt ids) not at all: its
+validation is the identity (`ServeEngine._usual_chunk`).
+
 Many requests at once (`ServeEngine.drive`, `post_many`): up to a window of
 requests run as tasks on the one event loop and the one ``AsyncLLM``, as
 `vllm serve` serves the requests in flight. One pacer (`_Pacer`) makes the
@@ -99,14 +105,14 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ..config import RenderConfig
 from ..errors import ConfigError
 from ..protocol import WINDOW, Answer, Endpoint, FramesAnswer, Script
 from . import versions
 from .answers import json_answer
-from .render import DerenderEngine, _finish, collector_paused
+from .render import DerenderEngine, _finish, _validation_loggers, collector_paused
 from .renderer import RenderHalf
 from .stack import prepare_environment, server_args, show_warnings_from_now_on
 
@@ -682,6 +688,7 @@ class ServeEngine(DerenderEngine):
         self.findings_total = 0
         self._keeps_requests = versions.proven("requests")
         self._merges_steps = versions.proven("serve_bulk")
+        self._lane_on = versions.proven("serve_lane")
 
     @classmethod
     def build(cls, config: RenderConfig, *, live: bool = False, decode: str = "fast") -> ServeEngine:
@@ -817,7 +824,14 @@ class ServeEngine(DerenderEngine):
         _RAW.set(body)
         found: list[StopFinding] = []
         _FOUND.set(found)
-        answer = super().post(endpoint, body)
+        usual = self._usual_chunk(endpoint, body)
+        if usual is not None:
+            try:
+                answer = await self._dispatch(endpoint, usual)
+            except Exception as exc:  # the app's catch-all handlers, as `_post`
+                answer = self.internal_error(exc)
+        else:
+            answer = super().post(endpoint, body)
         if isinstance(answer, _Deferred):
             try:
                 answer = await answer.coroutine
@@ -826,6 +840,24 @@ class ServeEngine(DerenderEngine):
         if found:
             answer.findings = tuple(found)
         return answer
+
+    def _usual_chunk(self, endpoint: Endpoint, body: Any) -> _UsualRequest | None:
+        """A stream's usual call (fast path ``serve_lane``) as the request
+        its validation gives, without validating it: one choice of ids, no
+        finish, stop reason or logprobs, of a stream whose request and
+        prompt ids its first call validated (`live.ChunkLane.stateless`:
+        validation is the identity for such a body). None for any other
+        call, where a stream's calls are each validated whole
+        (`_keeps_stream_requests`), and while vLLM's validators would log:
+        `DerenderEngine.post` validates it."""
+        if not (self._lane_on and self._keeps_stream_requests()):
+            return None
+        call = self._chunk_lane().stateless(endpoint, body)
+        if call is None or any(logger.isEnabledFor(logging.DEBUG) for logger in _validation_loggers()):
+            return None
+        self._stream_requests.move_to_end(call.request_id)  # in use, as `_known_stream_request` keeps it
+        chunk = _UsualChunk(call.request_id, [_UsualChoice(call.index, call.token_ids)])
+        return _UsualRequest(chunk, call.prompt_token_ids)
 
     def close(self) -> None:
         """Close the open streams and shut the stack down."""
@@ -1132,6 +1164,30 @@ class ServeEngine(DerenderEngine):
                 await run.task
         await self._pacer.settled()
         self._core.release(run.children)
+
+
+class _UsualChoice(NamedTuple):
+    """A usual stream call's choice, as validation gives what `_stream_call` reads."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: None = None
+    stop_reason: None = None
+    logprobs: None = None
+
+
+class _UsualChunk(NamedTuple):
+    request_id: str
+    choices: list[_UsualChoice]
+    prompt_token_ids: None = None
+
+
+class _UsualRequest(NamedTuple):
+    """A usual stream call's validated body (`ServeEngine._usual_chunk`)."""
+
+    generate_chunk: _UsualChunk
+    prompt_token_ids: Any
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ PROVEN: dict[str, tuple[str, ...]] = {
     "live_cmpl": ("0.33.0", "0.34.0"),
     "serve": ("0.33.0", "0.34.0"),
     "serve_bulk": ("0.33.0", "0.34.0"),
+    "serve_lane": ("0.33.0", "0.34.0"),
     "startup": ("0.33.0", "0.34.0"),
 }
 """Each fast path and the vLLM releases its differential tests passed on:
@@ -77,6 +78,10 @@ PROVEN: dict[str, tuple[str, ...]] = {
   run per token, where the request has no stop strings; off, one token a
   step, as an engine without speculative decoding makes them (needs
   ``serve``);
+- ``serve_lane``: on the serve path, a stream's usual call (one choice of
+  ids, no finish, a request its first call validated) handed to the
+  stream without the per-call validation, which is the identity for it
+  (`serve.ServeEngine._usual_chunk`; needs ``serve`` and ``requests``);
 - ``startup``: the lean start's patches of vLLM's start-up (no tokenizer
   thread pool, the model class inspected in process, the leading-space
   marker cached) and the renderer's work run inline, not on its pool.
