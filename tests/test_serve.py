@@ -181,23 +181,27 @@ def test_streams_equal_vllm_serve_sse(qwen3_serve: ServeStack, endpoint: Endpoin
         assert normalized_bytes(ours) == normalized_bytes(http.content), plan.request_id
 
 
+def _say_hi(b: SampleBuilder, request_id: str, text: str, sizes: list[int], *, finish_only_tail: bool = False) -> StreamPlan:
+    """A streamed request to say hi (thinking off, usage asked for),
+    answered with `text` and the eos id in chunks of `sizes`."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    return StreamPlan(
+        request_id=request_id,
+        prompt=b.prompt_ids(messages, **b.family.thinking_off),
+        request=b.chat_request(
+            messages, chat_template_kwargs=b.family.thinking_off, stream=True, stream_options={"include_usage": True},
+        ),  # fmt: skip
+        choices=[chunks_of(b.encode(text) + [b.family.eos_id], sizes)],
+        finish_only_tail=finish_only_tail,
+    )
+
+
 def test_each_call_answers_the_frames_serve_sent_for_it(qwen3_serve: ServeStack) -> None:
     """A chunk is held until its choice's next chunk, so call k answers
     chunk k - 1's frames; a finish-only tail finishes the held step, which
     carries finish_reason on the last token's frame, then the usage."""
     b = qwen3_serve.builder
-    messages = [{"role": "user", "content": "Say hi."}]
-    plan = StreamPlan(
-        request_id="tail",
-        prompt=b.prompt_ids(messages, **b.family.thinking_off),
-        request=b.chat_request(
-            messages, chat_template_kwargs=b.family.thinking_off, stream=True,
-            stream_options={"include_usage": True},
-        ),  # fmt: skip
-        choices=[chunks_of(b.encode("Hi there, friend!") + [b.family.eos_id], [2])],
-        finish_only_tail=True,
-    )
-    bodies = stream_bodies(b, [plan])
+    bodies = stream_bodies(b, [_say_hi(b, "tail", "Hi there, friend!", [2], finish_only_tail=True)])
     answers = [qwen3_serve.engine.post(Endpoint.CHAT, body) for body in bodies]
     assert all(isinstance(a, FramesAnswer) for a in answers)
     frames = [[json.loads(p) for p in a.payloads] for a in answers]
@@ -359,15 +363,7 @@ def test_drawn_calls_answer_as_validated(qwen3_serve: ServeStack, data: st.DataO
     """Drawn changes to a stream's later calls, of the lane's fields or
     beside them: each call's answer is the one it gets validated."""
     b = qwen3_serve.builder
-    messages = [{"role": "user", "content": "Say hi."}]
-    plan = StreamPlan(
-        request_id="drawn-lane",
-        prompt=b.prompt_ids(messages, **b.family.thinking_off),
-        request=b.chat_request(
-            messages, chat_template_kwargs=b.family.thinking_off, stream=True, stream_options={"include_usage": True},
-        ),  # fmt: skip
-        choices=[chunks_of(b.encode("Hi there, friend! Bye.") + [b.family.eos_id], [1, 2])],
-    )
+    plan = _say_hi(b, "drawn-lane", "Hi there, friend! Bye.", [1, 2])
     calls = data.draw(_drawn_calls(stream_bodies(b, [plan]), b.family.served_name))
     _lane_as_validated(qwen3_serve.engine, [(Endpoint.CHAT, calls)], window=2)
 
