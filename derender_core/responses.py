@@ -208,8 +208,11 @@ def _not(where: str, value: Any, kind: type) -> str | None:
     return None if value is None or isinstance(value, kind) else f"{where} is {_kind(value)}, not {_TYPE_NAMES[kind]}"
 
 
-def _no_index(where: str, holder: Mapping[str, Any]) -> str | None:
-    """The problem when `holder` (a choice, a tool-call piece) has no integer ``index``."""
+def _no_index(where: str, holder: Any) -> str | None:
+    """The problem when `holder` (a choice, a tool-call piece) is not an
+    object with an integer ``index``: a list's member is never null."""
+    if not isinstance(holder, Mapping):
+        return f"{where} is {_kind(holder)}, not an object"
     if "index" not in holder:
         return f"{where} has no index"
     index = holder["index"]
@@ -240,7 +243,7 @@ def _frame_problems(chunk: Any, endpoint: Endpoint | None) -> Iterator[str | Non
     yield _not("choices", choices, list)
     for number, choice in enumerate(choices or []):
         where = f"choices[{number}]"
-        yield _not(where, choice, Mapping) or _no_index(where, choice)
+        yield _no_index(where, choice)
         delta = choice.get("delta")
         yield _not(f"{where}.delta", delta, Mapping)
         for key in _TEXT_KEYS:
@@ -251,7 +254,7 @@ def _frame_problems(chunk: Any, endpoint: Endpoint | None) -> Iterator[str | Non
         yield _not(f"{where}.delta.tool_calls", calls, list)
         for place, call in enumerate(calls or []):
             name = f"{where}.delta.tool_calls[{place}]"
-            yield _not(name, call, Mapping) or _no_index(name, call) or _not(f"{name}.function", call.get("function"), Mapping)
+            yield _no_index(name, call) or _not(f"{name}.function", call.get("function"), Mapping)
             for key in ("name", "arguments"):
                 yield _not(f"{name}.function.{key}", (call.get("function") or {}).get(key), str)
         logprobs = choice.get("logprobs")

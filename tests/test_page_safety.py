@@ -288,6 +288,8 @@ def _diff(tmp_path: Path, expected: str, actual: str, *flags: str) -> tuple[Any,
         (("choices", 0, "delta"), "a", "choices[0].delta is a string ('a'), not an object"),
         (("choices", 0, "delta", "content"), 7, "choices[0].delta.content is an integer, not a string"),
         (("choices",), {"index": 0}, "choices is an object, not a list"),
+        (("choices", 0), None, "choices[0] is null, not an object"),
+        (("choices", 0, "delta", "tool_calls"), [None], "choices[0].delta.tool_calls[0] is null, not an object"),
     ],
 )
 def test_diff_refuses_a_stream_frame_no_client_can_read(tmp_path: Path, path: tuple[Any, ...], value: Any, says: str) -> None:
