@@ -316,6 +316,10 @@ def test_usual_calls_answer_as_validated(qwen3_serve: ServeStack) -> None:
     work = _scripts_of(Endpoint.CHAT, [], [*chat, *sample, rejected]) + _scripts_of(Endpoint.COMPLETION, [], completion)
     calls = sum(len(bodies) for _, bodies in work)
     assert _lane_as_validated(qwen3_serve.engine, work, window=32) > calls // 2
+    # A render endpoint's body is never a stream call, whatever it holds.
+    usual = qwen3_serve.engine._usual_chunk
+    taken = [(endpoint, body) for endpoint, bodies in work for body in bodies if usual(endpoint, body) is not None]
+    assert taken and all(usual(endpoint.render, body) is None for endpoint, body in taken)
 
 
 _NOT_IDS: list[Any] = [None, [], [2**40], [1.0], ["1"], [True], [-1], "1", {}]

@@ -847,10 +847,10 @@ class ServeEngine(DerenderEngine):
         finish, stop reason or logprobs, of a stream whose request and
         prompt ids its first call validated (`live.ChunkLane.stateless`:
         validation is the identity for such a body). None for any other
-        call, where a stream's calls are each validated whole
+        call (a render endpoint's among them), where a stream's calls are each validated whole
         (`_keeps_stream_requests`), and while vLLM's validators would log:
         `DerenderEngine.post` validates it."""
-        if not (self._lane_on and self._keeps_stream_requests()):
+        if not self._lane_on or endpoint.renders or not self._keeps_stream_requests():
             return None
         call = self._chunk_lane().stateless(endpoint, body)
         if call is None or any(logger.isEnabledFor(logging.DEBUG) for logger in _validation_loggers()):
