@@ -316,10 +316,19 @@ def test_usual_calls_answer_as_validated(qwen3_serve: ServeStack) -> None:
     work = _scripts_of(Endpoint.CHAT, [], [*chat, *sample, rejected]) + _scripts_of(Endpoint.COMPLETION, [], completion)
     calls = sum(len(bodies) for _, bodies in work)
     assert _lane_as_validated(qwen3_serve.engine, work, window=32) > calls // 2
-    # A render endpoint's body is never a stream call, whatever it holds.
-    usual = qwen3_serve.engine._usual_chunk
-    taken = [(endpoint, body) for endpoint, bodies in work for body in bodies if usual(endpoint, body) is not None]
-    assert taken and all(usual(endpoint.render, body) is None for endpoint, body in taken)
+    # A body the lane takes, posted to a render endpoint, is a request to
+    # render there (an error, here), never a stream call.
+    engine = qwen3_serve.engine
+    taken = [(e.render, body) for e, bodies in work for body in bodies if engine._usual_chunk(e, body) is not None]
+    some = [call for kind in (Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION) for call in taken if call[0] is kind][::20]
+    rendered = [_seen([engine.post(endpoint, body)]) for endpoint, body in some]
+    engine._lane_on = False
+    try:
+        assert rendered == [_seen([engine.post(endpoint, body)]) for endpoint, body in some]
+    finally:
+        engine._lane_on = True
+    assert {endpoint for endpoint, _ in some} == {Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION}
+    assert all(status >= 400 for ((status, *_),) in rendered)
 
 
 _NOT_IDS: list[Any] = [None, [], [2**40], [1.0], ["1"], [True], [-1], "1", {}]
