@@ -18,6 +18,7 @@ its logprobs against the derender endpoint's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -25,6 +26,7 @@ import inspect
 import io
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +277,16 @@ def test_a_streams_request_is_validated_once(qwen3_serve: ServeStack, monkeypatc
 # lane took, so that they would fail if it took none.
 
 
+@contextlib.contextmanager
+def _lane_off(engine: serve.ServeEngine) -> Iterator[None]:
+    """Every call of `engine` validated while active (``serve_lane`` off)."""
+    was, engine._lane_on = engine._lane_on, False
+    try:
+        yield
+    finally:
+        engine._lane_on = was
+
+
 def _lane_as_validated(engine: serve.ServeEngine, work: list[tuple[Endpoint, list[Any]]], window: int) -> int:
     """Each script answered as with the lane off, in a window and alone;
     how many calls the lane took."""
@@ -287,11 +299,8 @@ def _lane_as_validated(engine: serve.ServeEngine, work: list[tuple[Endpoint, lis
             taken.append(found)
         return found
 
-    engine._lane_on = False
-    try:
+    with _lane_off(engine):
         validated = [_seen(answers) for answers in engine.drive((_calls(e, b) for e, b in work), window=1)]
-    finally:
-        engine._lane_on = True
     engine._usual_chunk = counted  # type: ignore[method-assign]
     try:
         for size in (1, window):
@@ -322,11 +331,8 @@ def test_usual_calls_answer_as_validated(qwen3_serve: ServeStack) -> None:
     taken = [(e.render, body) for e, bodies in work for body in bodies if engine._usual_chunk(e, body) is not None]
     some = [call for kind in (Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION) for call in taken if call[0] is kind][::20]
     rendered = [_seen([engine.post(endpoint, body)]) for endpoint, body in some]
-    engine._lane_on = False
-    try:
+    with _lane_off(engine):
         assert rendered == [_seen([engine.post(endpoint, body)]) for endpoint, body in some]
-    finally:
-        engine._lane_on = True
     assert {endpoint for endpoint, _ in some} == {Endpoint.RENDER_CHAT, Endpoint.RENDER_COMPLETION}
     assert all(status >= 400 for ((status, *_),) in rendered)
 
